@@ -1,0 +1,27 @@
+"""jaxamp: automatic mixed precision for JAX, built on optax."""
+
+from jaxamp._src.loss_scale import DEFAULT_MAX_SCALE
+from jaxamp._src.loss_scale import DEFAULT_MIN_SCALE
+from jaxamp._src.loss_scale import LossScaleState
+from jaxamp._src.loss_scale import dynamic_loss_scale
+from jaxamp._src.loss_scale import get_loss_scale
+from jaxamp._src.loss_scale import get_loss_scale_state
+from jaxamp._src.loss_scale import scale_loss
+from jaxamp._src.loss_scale import set_loss_scale
+from jaxamp._src.loss_scale import static_loss_scale
+from jaxamp._src.numerics import all_finite
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "DEFAULT_MAX_SCALE",
+    "DEFAULT_MIN_SCALE",
+    "LossScaleState",
+    "all_finite",
+    "dynamic_loss_scale",
+    "get_loss_scale",
+    "get_loss_scale_state",
+    "scale_loss",
+    "set_loss_scale",
+    "static_loss_scale",
+)
