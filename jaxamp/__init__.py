@@ -10,6 +10,9 @@ from jaxamp._src.loss_scale import scale_loss
 from jaxamp._src.loss_scale import set_loss_scale
 from jaxamp._src.loss_scale import static_loss_scale
 from jaxamp._src.numerics import all_finite
+from jaxamp._src.policy import Policy
+from jaxamp._src.policy import get_policy
+from jaxamp._src.policy import mixed_precision
 
 __version__ = "0.1.0"
 
@@ -17,10 +20,13 @@ __all__ = (
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
     "LossScaleState",
+    "Policy",
     "all_finite",
     "dynamic_loss_scale",
     "get_loss_scale",
     "get_loss_scale_state",
+    "get_policy",
+    "mixed_precision",
     "scale_loss",
     "set_loss_scale",
     "static_loss_scale",

@@ -1,0 +1,71 @@
+"""Shared helpers for the benchmarks: a parameter set and interleaved median timing.
+
+Every benchmark compares variants in one run, interleaving them round by
+round so that machine noise hits all of them alike, and prints medians and
+ratios (never single absolute times).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def make_params(total: int = 4_000_000, leaves: int = 30, seed: int = 0, dtype=jnp.float32):
+  """About ``total`` parameters in ``leaves`` leaves of uneven sizes (a dict of arrays)."""
+  rng = np.random.default_rng(seed)
+  weights = rng.uniform(0.2, 1.8, leaves)
+  sizes = np.maximum(1, (weights / weights.sum() * total).astype(int))
+  return {f"layer_{i:02d}": jnp.asarray(rng.standard_normal(int(n)), dtype) for i, n in enumerate(sizes)}
+
+
+def interleaved_medians(steps: Dict[str, Callable[[], None]], rounds: int = 15,
+                        inner: int = 5, warmup: int = 2) -> Dict[str, float]:
+  """Times each zero-argument ``step`` (which must block on its result).
+
+  Each round runs every variant ``inner`` times, in an order that rotates
+  between rounds; returns the median seconds per call of each variant.
+  """
+  names = list(steps)
+  for name in names:
+    for _ in range(warmup):
+      steps[name]()
+  samples = {name: [] for name in names}
+  for r in range(rounds):
+    order = names[r % len(names):] + names[:r % len(names)]
+    for name in order:
+      start = time.perf_counter()
+      for _ in range(inner):
+        steps[name]()
+      samples[name].append((time.perf_counter() - start) / inner)
+  return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def print_ratios(medians: Dict[str, float], baseline: str, title: str,
+                 targets: Dict[str, float] | None = None) -> None:
+  """Prints each variant's median as a ratio to ``baseline`` (and its target, if any)."""
+  targets = targets or {}
+  print(f"\n{title}  (ratio to {baseline!r}; median of interleaved rounds)")
+  base = medians[baseline]
+  width = max(len(n) for n in medians)
+  for name, value in medians.items():
+    target = f"   target <= {targets[name]:.2f}x" if name in targets else ""
+    print(f"  {name:<{width}}  {value / base:6.3f}x{target}")
+
+
+def block(tree) -> None:
+  jax.block_until_ready(tree)
+
+
+def device_summary() -> str:
+  devices = jax.devices()
+  return f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+
+
+__all__: Sequence[str] = ("make_params", "interleaved_medians", "print_ratios", "block",
+                          "device_summary")

@@ -1,0 +1,162 @@
+"""Precision policies: which dtype parameters, computation and outputs use."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DTypeLike = Union[str, type, np.dtype]
+
+_DTYPE_NAMES = {
+    "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32, "full": jnp.float32,
+    "single": jnp.float32,
+    "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float64": jnp.float64, "f64": jnp.float64, "fp64": jnp.float64, "double": jnp.float64,
+}
+_KEYS = {"params": "param_dtype", "param": "param_dtype", "p": "param_dtype",
+         "compute": "compute_dtype", "c": "compute_dtype",
+         "output": "output_dtype", "o": "output_dtype"}
+_ACCEPTED = (
+    "'params=float32,compute=float16,output=float32' (keys params|p, compute|c, output|o; "
+    f"dtypes {', '.join(sorted(_DTYPE_NAMES))}), or a single dtype name such as 'half' or "
+    "'bf16', meaning params=float32,compute=<dtype>,output=float32 (a single 'float32' means "
+    "full precision everywhere)")
+
+
+def canonical_dtype(dtype: DTypeLike, name: str = "dtype") -> jnp.dtype:
+  """Turns a dtype name (``'bf16'``, ``'float16'``...) or a floating dtype into a ``jnp.dtype``."""
+  if isinstance(dtype, str):
+    key = dtype.strip().lower()
+    if key not in _DTYPE_NAMES:
+      raise ValueError(f"{name} must be one of {sorted(_DTYPE_NAMES)} or a floating jnp dtype, "
+                       f"got {dtype!r}")
+    return jnp.dtype(_DTYPE_NAMES[key])
+  try:
+    out = jnp.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"{name} must be a dtype or a dtype name, got {dtype!r}") from None
+  if not jnp.issubdtype(out, jnp.floating):
+    raise ValueError(f"{name} must be a floating-point dtype, got {out}")
+  return out
+
+
+def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
+  def cast(x):
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating):
+      return x.astype(dtype)
+    return x
+
+  return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """A mixed-precision policy: the dtypes of parameters, computation and outputs.
+
+  Casts touch only floating-point array leaves; integers, booleans and
+  non-array leaves pass through unchanged.
+
+  Attributes:
+    param_dtype: the dtype of the master parameters (usually float32).
+    compute_dtype: the dtype the forward and backward pass run in.
+    output_dtype: the dtype of the outputs (usually float32, for the loss).
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> policy = jaxamp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    >>> policy.cast_to_compute({'w': jnp.ones(2), 'step': jnp.array(3)})['w'].dtype
+    dtype(bfloat16)
+  """
+
+  param_dtype: Any = jnp.float32
+  compute_dtype: Any = jnp.float32
+  output_dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    for field in ("param_dtype", "compute_dtype", "output_dtype"):
+      object.__setattr__(self, field, canonical_dtype(getattr(self, field), field))
+
+  def cast_to_param(self, tree: Any) -> Any:
+    """Casts the floating leaves of ``tree`` to ``param_dtype``."""
+    return _cast_floating(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree: Any) -> Any:
+    """Casts the floating leaves of ``tree`` to ``compute_dtype``."""
+    return _cast_floating(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree: Any) -> Any:
+    """Casts the floating leaves of ``tree`` to ``output_dtype``."""
+    return _cast_floating(tree, self.output_dtype)
+
+  def __str__(self) -> str:
+    return (f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+            f"output={self.output_dtype.name}")
+
+
+def get_policy(spec: Union[str, Policy]) -> Policy:
+  """Parses a policy string such as ``"params=float32,compute=float16,output=float32"``.
+
+  Short forms are accepted: ``"p=f32,c=bf16,o=f32"``, and a single dtype name
+  such as ``"half"`` or ``"bf16"`` (float32 params and outputs, that compute
+  dtype). Keys left out default to float32.
+
+  Raises:
+    ValueError: for an unknown key, dtype or form; the message lists the accepted forms.
+
+  Examples:
+    >>> import jaxamp
+    >>> print(jaxamp.get_policy("p=f32,c=bf16,o=f32"))
+    params=float32,compute=bfloat16,output=float32
+    >>> print(jaxamp.get_policy("half"))
+    params=float32,compute=float16,output=float32
+  """
+  if isinstance(spec, Policy):
+    return spec
+  if not isinstance(spec, str):
+    raise TypeError(f"policy must be a string or a jaxamp.Policy, got {spec!r}")
+  text = spec.strip().lower()
+  if "=" not in text:
+    if text not in _DTYPE_NAMES:
+      raise ValueError(f"Unknown policy {spec!r}; accepted: {_ACCEPTED}")
+    return Policy(jnp.float32, _DTYPE_NAMES[text], jnp.float32)
+  fields = {}
+  for item in text.split(","):
+    key, sep, value = (part.strip() for part in item.partition("="))
+    if not sep or key not in _KEYS or value not in _DTYPE_NAMES or _KEYS[key] in fields:
+      raise ValueError(f"Cannot parse {item!r} in policy {spec!r}; accepted: {_ACCEPTED}")
+    fields[_KEYS[key]] = _DTYPE_NAMES[value]
+  return Policy(**fields)
+
+
+def mixed_precision(loss_fn: Callable[..., Any], policy: Union[str, Policy]) -> Callable[..., Any]:
+  """Returns the mixed-precision version of ``loss_fn(params, *args, **kwargs)``.
+
+  The floating leaves of the parameters and of the array arguments are cast to
+  the policy's compute dtype *inside* the function, and the outputs to its
+  output dtype. Differentiated with respect to float32 master parameters, the
+  gradients therefore come back in float32 while the forward and backward
+  passes run in half precision.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxamp
+    >>> loss = lambda p, x: jnp.sum(p['w'] * x)
+    >>> f = jaxamp.mixed_precision(loss, "half")
+    >>> f({'w': jnp.ones(3)}, jnp.ones(3)).dtype
+    dtype('float32')
+    >>> jax.grad(f)({'w': jnp.ones(3)}, jnp.ones(3))['w'].dtype
+    dtype('float32')
+  """
+  policy = get_policy(policy)
+
+  @functools.wraps(loss_fn)
+  def wrapped(params, *args, **kwargs):
+    params, args, kwargs = policy.cast_to_compute((params, args, kwargs))
+    return policy.cast_to_output(loss_fn(params, *args, **kwargs))
+
+  return wrapped
