@@ -104,10 +104,20 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
 
   Short forms are accepted: ``"p=f32,c=bf16,o=f32"``, and a single dtype name
   such as ``"half"`` or ``"bf16"`` (float32 params and outputs, that compute
-  dtype). Keys left out default to float32.
+  dtype). Keys left out default to float32. A floating dtype such as
+  ``jnp.bfloat16`` means the same as its name, and a :class:`Policy` is
+  returned unchanged.
+
+  Args:
+    spec: a policy string, a floating dtype or a :class:`Policy`.
+
+  Returns:
+    The :class:`Policy`.
 
   Raises:
-    ValueError: for an unknown key, dtype or form; the message lists the accepted forms.
+    ValueError: for an unknown key, dtype or form, or a repeated key; the
+      message lists the accepted forms.
+    TypeError: for a ``spec`` that is neither a string, a dtype nor a Policy.
 
   Examples:
     >>> import jaxamp
@@ -119,7 +129,10 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
   if isinstance(spec, Policy):
     return spec
   if not isinstance(spec, str):
-    raise TypeError(f"policy must be a string or a jaxamp.Policy, got {spec!r}")
+    if not isinstance(spec, (type, np.dtype)):
+      raise TypeError(f"policy must be a string, a floating dtype or a jaxamp.Policy, "
+                      f"got {spec!r}; accepted strings: {_ACCEPTED}")
+    return Policy(jnp.float32, canonical_dtype(spec, "policy"), jnp.float32)
   text = spec.strip().lower()
   if "=" not in text:
     if text not in _DTYPE_NAMES:
@@ -141,7 +154,16 @@ def mixed_precision(loss_fn: Callable[..., Any], policy: Union[str, Policy]) -> 
   the policy's compute dtype *inside* the function, and the outputs to its
   output dtype. Differentiated with respect to float32 master parameters, the
   gradients therefore come back in float32 while the forward and backward
-  passes run in half precision.
+  passes run in half precision. Integer leaves (labels, indices) and
+  non-array leaves are passed through unchanged; if a floating argument must
+  stay in full precision, close over it instead of passing it.
+
+  Args:
+    loss_fn: a function whose first argument is the (master) parameters.
+    policy: a :class:`Policy` or anything :func:`get_policy` accepts.
+
+  Returns:
+    A function with the signature of ``loss_fn``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxamp
