@@ -1,5 +1,7 @@
 """jaxamp: automatic mixed precision for JAX, built on optax."""
 
+from jaxamp import paddle
+from jaxamp._src.facade.torch import GradScaler
 from jaxamp._src.loss_scale import DEFAULT_MAX_SCALE
 from jaxamp._src.loss_scale import DEFAULT_MIN_SCALE
 from jaxamp._src.loss_scale import LossScaleState
@@ -19,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = (
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
+    "GradScaler",
     "LossScaleState",
     "Policy",
     "all_finite",
@@ -27,6 +30,7 @@ __all__ = (
     "get_loss_scale_state",
     "get_policy",
     "mixed_precision",
+    "paddle",
     "scale_loss",
     "set_loss_scale",
     "static_loss_scale",

@@ -1,0 +1,415 @@
+"""``jaxamp.paddle.GradScaler``: Paddle's ``paddle.amp.GradScaler`` for JAX training loops.
+
+It steps the same optimizer holders as :class:`jaxamp.GradScaler` (see
+:mod:`jaxamp._src.facade.torch` for the protocol) and drives the same device
+state with the same jitted core functions, with Paddle's hysteresis
+(``decr_every_n_nan_or_inf``) as ``ScaleRule(hysteresis=...)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import numbers
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._src import loss_scale
+from jaxamp._src.facade import torch as _torch
+
+
+class GradScaler:
+  """Dynamic loss scaling with Paddle's ``paddle.amp.GradScaler`` API and rule.
+
+  ::
+
+    scaler = jaxamp.paddle.GradScaler(init_loss_scaling=1024)
+    for batch in data:
+      opt.backward(scaler.scale(loss_fn), batch)  # scaled = scaler.scale(loss); scaled.backward()
+      scaler.minimize(opt)                        # unscale, skip-or-step, update the scale
+      opt.zero_grad()                             # optimizer.clear_grad()
+
+  or ``scaler.step(opt); scaler.update()`` in place of ``minimize``, with an
+  optional ``scaler.unscale_(opt)`` before ``step`` (to clip unscaled
+  gradients). ``opt`` is a :class:`jaxamp.OptimWrapper` or any object with
+  its protocol (``params``, ``opt_state``, settable ``grads``, ``backward``,
+  ``apply_gradients(grads=None, *, skip=None)``).
+
+  The rule (Paddle's, from the flags of the iteration's steps)::
+
+    if found_inf:
+      incr_count = 0; decr_count += 1
+      if decr_count == decr_every_n_nan_or_inf:
+        scale = scale * decr_ratio; decr_count = 0
+    else:
+      decr_count = 0; incr_count += 1
+      if incr_count == incr_every_n_steps:
+        scale = scale * incr_ratio; incr_count = 0
+
+  A step with inf/nan gradients is always skipped (bit-identical parameters
+  and optimizer state, no host sync), even when the scale is not lowered
+  yet. With ``use_dynamic_loss_scaling=False`` the scale stays fixed and bad
+  steps are still skipped; with ``enable=False`` nothing is scaled and every
+  step is applied.
+
+  Differences from Paddle (whose defects are not copied):
+
+  * The scale never grows to inf: a growth that would overflow float32 is
+    refused (Paddle's float32 product turns 2^127 into inf for good).
+  * The scale never falls below :data:`jaxamp.DEFAULT_MIN_SCALE` (the
+    smallest normal float32); Paddle's has no lower bound.
+  * With several optimizers, ``update()`` (and ``minimize``) counts an
+    iteration as bad when *any* optimizer stepped since the last update
+    found inf/nan; Paddle uses only the last one's flag, so its scale can
+    grow right after an overflow. Each optimizer skips on its own flag
+    (Paddle's ``step`` after ``unscale_`` of another optimizer uses the
+    other's). ``update()`` with no step since the last one repeats the last
+    iteration's flag, as Paddle does (a good iteration before any step).
+  * Products are rounded as float64 arithmetic rounds them (the same as
+    Paddle's float32 products for power-of-two ratios, within one ulp
+    otherwise).
+  * A counter above its threshold (after a setter or a loaded state) acts
+    at the next step; Paddle's equality test never acts again.
+  * No message is printed when the scale decreases (it would need a host
+    sync), the scaler does not disable itself on CPU or under a bfloat16
+    autocast, ``minimize`` returns ``None`` and ignores ``scaled_loss`` (the
+    gradients come from ``opt.backward``), and ``scale`` promotes float16/
+    bfloat16 losses to float32 and also accepts a loss function (see
+    :meth:`scale`).
+  * Setters rebuild the static rule, so the next update compiles once more
+    (cached per rule).
+
+  Args:
+    enable: whether to scale at all.
+    init_loss_scaling: the initial scale, positive and finite.
+    incr_ratio: multiplier after ``incr_every_n_steps`` finite steps; > 1.
+    decr_ratio: multiplier after ``decr_every_n_nan_or_inf`` consecutive bad
+      steps; in (0, 1).
+    incr_every_n_steps: consecutive finite steps before growing; >= 1.
+    decr_every_n_nan_or_inf: consecutive bad steps before backing off; >= 1.
+    use_dynamic_loss_scaling: ``False`` fixes the scale.
+
+  Raises:
+    ValueError: also an ``AssertionError``, with Paddle's messages, for
+      ``incr_ratio <= 1`` or ``decr_ratio >= 1``; a plain ``ValueError`` for
+      other out-of-range values.
+    TypeError: for arguments of the wrong type.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> scaler = jaxamp.paddle.GradScaler(init_loss_scaling=1024)
+    >>> scaler.scale(jnp.float32(0.25))
+    Array(256., dtype=float32)
+    >>> scaler.get_incr_every_n_steps(), scaler.get_decr_every_n_nan_or_inf()
+    (1000, 2)
+  """
+
+  def __init__(self, enable: bool = True, init_loss_scaling: float = 32768.0,
+               incr_ratio: float = 2.0, decr_ratio: float = 0.5,
+               incr_every_n_steps: int = 1000, decr_every_n_nan_or_inf: int = 2,
+               use_dynamic_loss_scaling: bool = True) -> None:
+    for name, flag in (("enable", enable), ("use_dynamic_loss_scaling", use_dynamic_loss_scaling)):
+      if not isinstance(flag, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {flag!r}")
+    self._enable = bool(enable)
+    self._use_dynamic_loss_scaling = False
+    self._init_loss_scaling: Any = 1.0
+    self._incr_ratio = incr_ratio
+    self._decr_ratio = decr_ratio
+    self._incr_every_n_steps = incr_every_n_steps
+    self._decr_every_n_nan_or_inf = decr_every_n_nan_or_inf
+    self._rule: Optional[loss_scale.ScaleRule] = None
+    if self._enable:
+      _torch.check_factor_types(incr_ratio=incr_ratio, decr_ratio=decr_ratio)
+      if incr_ratio <= 1.0:
+        raise _torch.MimicError("The incr_ratio must be > 1.0.")
+      if decr_ratio >= 1.0:
+        raise _torch.MimicError("The decr_ratio must be < 1.0.")
+      self._rule = self._make_rule()
+      loss_scale.check_scale("init_loss_scaling", init_loss_scaling, self._rule.min_scale,
+                             self._rule.max_scale)
+      self._init_loss_scaling = init_loss_scaling
+      self._use_dynamic_loss_scaling = bool(use_dynamic_loss_scaling)
+    self._state = _torch.make_state(self._init_loss_scaling)
+    self._optimizer_states: collections.defaultdict[int, _torch.OptimizerRecord] = (
+        collections.defaultdict(_torch.OptimizerRecord))
+    # Flags of the steps since the last update, and the flag the last update used.
+    self._pending: list[jax.Array] = []
+    self._last_found_inf = jnp.zeros([], jnp.bool_)
+
+  def _make_rule(self, **changes: Any) -> loss_scale.ScaleRule:
+    values = dict(growth_factor=self._incr_ratio, backoff_factor=self._decr_ratio,
+                  growth_interval=self._incr_every_n_steps,
+                  hysteresis=self._decr_every_n_nan_or_inf)
+    values.update(changes)
+    return loss_scale.make_rule(**values)
+
+  def __repr__(self) -> str:
+    return (f"GradScaler(enable={self._enable}, incr_ratio={self._incr_ratio!r}, "
+            f"decr_ratio={self._decr_ratio!r}, incr_every_n_steps={self._incr_every_n_steps!r}, "
+            f"decr_every_n_nan_or_inf={self._decr_every_n_nan_or_inf!r}, "
+            f"use_dynamic_loss_scaling={self._use_dynamic_loss_scaling})")
+
+  @property
+  def state(self) -> _torch.ScalerState:
+    """The device state: ``scale``, ``growth_tracker`` (incr_count), ``overflow_count`` (decr_count)."""
+    return self._state
+
+  def _scale_array(self) -> jax.Array:
+    return self._state.scale
+
+  # -- scaling ----------------------------------------------------------------------------------
+
+  def scale(self, var: Any, *, has_aux: bool = False) -> Any:
+    """Multiplies a loss by the scale, or wraps a loss function to do so.
+
+    Args:
+      var: an array: returns ``var * scale`` (float32 at least); a callable
+        ``loss_fn``: returns a pytree callable whose output is multiplied by
+        the scale current when it is called (or flattened into a jitted
+        call), so ``opt.backward(scaler.scale(loss_fn), batch)`` computes
+        scaled gradients without recompiling as the scale changes.
+      has_aux: for a callable returning ``(loss, aux)``: scale only ``loss``.
+
+    Returns:
+      The scaled loss (or function); ``var`` itself when scaling is disabled.
+
+    Raises:
+      TypeError: for anything else.
+    """
+    if not (_torch.is_array(var) or callable(var)):
+      raise TypeError(f"The type of 'var' in GradScaler.scale() must be (<class 'jax.Array'>, "
+                      f"a loss function), but received {type(var)}. ")
+    if not self._enable:
+      return var
+    if _torch.is_array(var):
+      return _torch.times_scale(var, self._state.scale)
+    return _torch.ScaledLoss(var, self, bool(has_aux))
+
+  # -- unscale / step / update ------------------------------------------------------------------
+
+  def unscale_(self, optimizer: Any) -> None:
+    """Divides ``optimizer.grads`` by the scale and records whether any is inf/nan.
+
+    One jitted call, no host sync; ``optimizer.grads`` is replaced by the
+    unscaled gradients. Half-precision gradients are allowed (as Paddle);
+    they are unscaled in float32 and cast back.
+
+    Raises:
+      RuntimeError: when called twice for ``optimizer`` since the last
+        update, or after ``step(optimizer)`` (Paddle's messages).
+    """
+    if not self._enable:
+      return
+    record = self._optimizer_states[id(optimizer)]
+    if record.stage is _torch.OptState.UNSCALED:
+      raise RuntimeError(
+          "unscale_() has already been called on this optimizer since the last update().")
+    if record.stage is _torch.OptState.STEPPED:
+      raise RuntimeError("unscale_() is being called after step().")
+    grads = optimizer.grads
+    if grads is not None and jax.tree.leaves(grads):
+      unscaled, found_inf = _torch.unscale_and_check(grads, self._state.scale)
+      optimizer.grads = unscaled
+    else:
+      found_inf = jnp.zeros([], jnp.bool_)
+    record.found_inf = found_inf
+    record.stage = _torch.OptState.UNSCALED
+
+  def _apply(self, optimizer: Any, record: _torch.OptimizerRecord) -> None:
+    if record.stage is _torch.OptState.READY:
+      self.unscale_(optimizer)
+    optimizer.apply_gradients(skip=record.found_inf)
+    self._pending.append(record.found_inf)
+
+  def step(self, optimizer: Any) -> None:
+    """Unscales (unless :meth:`unscale_` did) and applies the gradients unless one is inf/nan.
+
+    The decision stays on the device (``apply_gradients(skip=found_inf)``).
+    Call :meth:`update` afterwards (with ``use_dynamic_loss_scaling=False``
+    the stage is reset here already, as in Paddle).
+
+    Raises:
+      RuntimeError: ``"step() has already been called since the last update()."``
+    """
+    if not self._enable:
+      optimizer.apply_gradients()
+      return None
+    record = self._optimizer_states[id(optimizer)]
+    if record.stage is _torch.OptState.STEPPED:
+      raise RuntimeError("step() has already been called since the last update().")
+    self._apply(optimizer, record)
+    record.stage = _torch.OptState.STEPPED
+    if not self._use_dynamic_loss_scaling:
+      self._reset()
+    return None
+
+  def _reset(self) -> None:
+    self._optimizer_states = collections.defaultdict(_torch.OptimizerRecord)
+
+  def _update(self) -> None:
+    flags = tuple(self._pending) if self._pending else (self._last_found_inf,)
+    rule = self._rule if self._rule is not None else self._make_rule()
+    self._state, self._last_found_inf = _torch.update_fn(rule)(self._state, flags)
+    self._pending = []
+
+  def update(self) -> None:
+    """Updates the scale from the steps since the last update (dynamic scaling only)."""
+    if not self._enable:
+      return None
+    if self._use_dynamic_loss_scaling:
+      self._update()
+      self._reset()
+    return None
+
+  def minimize(self, optimizer: Any, scaled_loss: Any = None, *args: Any, **kwargs: Any) -> None:
+    """Unscales, steps unless a gradient is inf/nan, and updates the scale.
+
+    Args:
+      optimizer: the optimizer holder whose ``grads`` hold the scaled gradients.
+      scaled_loss: accepted for Paddle's call style and ignored: the
+        gradients were computed by ``optimizer.backward``.
+      *args: ignored likewise (Paddle forwards them to ``optimizer.minimize``).
+      **kwargs: ignored likewise.
+
+    Returns:
+      ``None``.
+    """
+    del scaled_loss, args, kwargs
+    if not self._enable:
+      optimizer.apply_gradients()
+      return None
+    self._apply(optimizer, self._optimizer_states[id(optimizer)])
+    if self._use_dynamic_loss_scaling:
+      self._update()
+    self._reset()
+    return None
+
+  # -- getters and setters ----------------------------------------------------------------------
+
+  def is_enable(self) -> bool:
+    """Whether loss scaling is enabled."""
+    return self._enable
+
+  def is_use_dynamic_loss_scaling(self) -> bool:
+    """Whether the scale is updated dynamically (``False`` when disabled)."""
+    return self._use_dynamic_loss_scaling
+
+  def get_init_loss_scaling(self) -> Any:
+    """The initial loss scaling (as given; 1.0 when disabled)."""
+    return self._init_loss_scaling
+
+  def set_init_loss_scaling(self, new_init_loss_scaling: float) -> None:
+    """Sets the initial loss scaling and resets the current scale to it (counters kept)."""
+    rule = self._rule or loss_scale.ScaleRule()
+    loss_scale.check_scale("new_init_loss_scaling", new_init_loss_scaling, rule.min_scale,
+                           rule.max_scale)
+    self._init_loss_scaling = new_init_loss_scaling
+    self._state = self._state._replace(scale=jnp.asarray(new_init_loss_scaling, jnp.float32))
+
+  def get_incr_ratio(self) -> float:
+    """The multiplier used to increase the scale."""
+    return self._incr_ratio
+
+  def set_incr_ratio(self, new_incr_ratio: float) -> None:
+    """Sets the increase multiplier (> 1)."""
+    _torch.check_factor_types(new_incr_ratio=new_incr_ratio)
+    if new_incr_ratio <= 1.0:
+      raise _torch.MimicError("The new_incr_ratio must be > 1.0.")
+    if self._enable:
+      self._rule = self._make_rule(growth_factor=new_incr_ratio)
+    self._incr_ratio = new_incr_ratio
+
+  def get_decr_ratio(self) -> float:
+    """The multiplier used to decrease the scale."""
+    return self._decr_ratio
+
+  def set_decr_ratio(self, new_decr_ratio: float) -> None:
+    """Sets the decrease multiplier (< 1)."""
+    _torch.check_factor_types(new_decr_ratio=new_decr_ratio)
+    if new_decr_ratio >= 1.0:
+      raise _torch.MimicError("The new_decr_ratio must be < 1.0.")
+    if self._enable:
+      self._rule = self._make_rule(backoff_factor=new_decr_ratio)
+    self._decr_ratio = new_decr_ratio
+
+  def get_incr_every_n_steps(self) -> int:
+    """Consecutive finite steps before the scale grows."""
+    return self._incr_every_n_steps
+
+  def set_incr_every_n_steps(self, new_incr_every_n_steps: int) -> None:
+    """Sets the consecutive finite steps before the scale grows (>= 1)."""
+    if self._enable:
+      self._rule = self._make_rule(growth_interval=new_incr_every_n_steps)
+    self._incr_every_n_steps = new_incr_every_n_steps
+
+  def get_decr_every_n_nan_or_inf(self) -> int:
+    """Consecutive bad steps before the scale shrinks."""
+    return self._decr_every_n_nan_or_inf
+
+  def set_decr_every_n_nan_or_inf(self, new_decr_every_n_nan_or_inf: int) -> None:
+    """Sets the consecutive bad steps before the scale shrinks (>= 1)."""
+    if self._enable:
+      self._rule = self._make_rule(hysteresis=new_decr_every_n_nan_or_inf)
+    self._decr_every_n_nan_or_inf = new_decr_every_n_nan_or_inf
+
+  # -- checkpoints ------------------------------------------------------------------------------
+
+  def state_dict(self) -> dict[str, Any]:
+    """The state in Paddle's format (``{}`` when disabled); a host sync.
+
+    Keys: ``scale`` (a float32 numpy array of shape ``(1,)``), ``incr_ratio``,
+    ``decr_ratio``, ``incr_every_n_steps``, ``decr_every_n_nan_or_inf``,
+    ``incr_count`` (int), ``decr_count`` (int), ``use_dynamic_loss_scaling``
+    (bool).
+    """
+    if not self._enable:
+      return {}
+    return {
+        "scale": np.asarray(self._state.scale, np.float32).reshape(1),
+        "incr_ratio": self._incr_ratio,
+        "decr_ratio": self._decr_ratio,
+        "incr_every_n_steps": self._incr_every_n_steps,
+        "decr_every_n_nan_or_inf": self._decr_every_n_nan_or_inf,
+        "incr_count": int(self._state.growth_tracker),
+        "decr_count": int(self._state.overflow_count),
+        "use_dynamic_loss_scaling": self._use_dynamic_loss_scaling,
+    }
+
+  def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    """Loads a state dict in Paddle's format (no-op when disabled).
+
+    ``scale`` may be Paddle's one-element array or a plain number.
+
+    Raises:
+      RuntimeError: for an empty dict (saved by a disabled scaler).
+      KeyError: for a missing key.
+      ValueError, TypeError: for values this scaler cannot use.
+    """
+    if not self._enable:
+      return
+    if len(state_dict) == 0:
+      raise RuntimeError("The input state dict is empty, possibly because it was saved "
+                         "from a disabled instance of GradScaler.")
+    scale = state_dict["scale"]
+    if _torch.is_array(scale) or isinstance(scale, (list, tuple)):
+      scale = np.asarray(scale).reshape(-1)[0]
+    rule = loss_scale.make_rule(growth_factor=state_dict["incr_ratio"],
+                                backoff_factor=state_dict["decr_ratio"],
+                                growth_interval=state_dict["incr_every_n_steps"],
+                                hysteresis=state_dict["decr_every_n_nan_or_inf"])
+    loss_scale.check_scale("scale", _torch.as_float("scale", scale), rule.min_scale,
+                           rule.max_scale)
+    incr_count = _torch.as_count("incr_count", state_dict["incr_count"])
+    decr_count = _torch.as_count("decr_count", state_dict["decr_count"])
+    dynamic = state_dict["use_dynamic_loss_scaling"]
+    self._rule = rule
+    self._init_loss_scaling = scale
+    self._incr_ratio = state_dict["incr_ratio"]
+    self._decr_ratio = state_dict["decr_ratio"]
+    self._incr_every_n_steps = state_dict["incr_every_n_steps"]
+    self._decr_every_n_nan_or_inf = state_dict["decr_every_n_nan_or_inf"]
+    self._use_dynamic_loss_scaling = bool(dynamic)
+    self._state = _torch.make_state(_torch.as_float("scale", scale), incr_count, decr_count)
