@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp._src import sharding
+
 AxisName = Union[Hashable, Sequence[Hashable], None]
 
 _TWO_64 = 2.0**64
@@ -23,13 +25,23 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   Non-floating leaves (integers, booleans) are finite by definition. With
   ``axis_name`` the answer is reduced across that mapped axis (or tuple of
   axes) inside ``shard_map``/``pmap``, so every device takes the same decision.
+  Inside ``shard_map`` (``check_vma=True``) axes over which the leaves are
+  already invariant (e.g. after ``lax.pmean``) need and get no collective, and
+  leaves that vary over an axis ``axis_name`` does not name are an error: the
+  shards would decide differently. ``pmap`` does not track variation, so there
+  every named axis is reduced and a missing ``axis_name`` cannot be detected.
 
   Args:
     tree: a pytree of arrays.
-    axis_name: a mapped axis name or a tuple of them; ``None`` for no reduction.
+    axis_name: a mapped axis name or a tuple of them; ``None`` for no
+      reduction; ``()`` for an explicitly per-shard answer.
 
   Returns:
     A ``bool`` scalar array.
+
+  Raises:
+    ValueError: inside ``shard_map`` when the leaves vary over a mesh axis
+      that ``axis_name`` does not cover.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -43,9 +55,10 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
       if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
   ]
   ok = jnp.stack(leaves).all() if leaves else jnp.array(True)
-  if axis_name is not None:
+  axes = sharding.finite_reduction_axes(tree, axis_name)
+  if axes:
     # psum of the failures: one integer all-reduce, the same answer everywhere.
-    bad = lax.psum(jnp.logical_not(ok).astype(jnp.int32), axis_name)
+    bad = lax.psum(jnp.logical_not(ok).astype(jnp.int32), axes)
     ok = bad == 0
   return ok
 

@@ -1,0 +1,134 @@
+"""Where the finite check must be reduced so that every device takes the same decision.
+
+Inside ``shard_map`` (with ``check_vma=True``, the default) JAX records in each
+value's type the manual mesh axes it varies over (``jax.typeof(x).vma``). If
+the gradients vary over an axis, a finite check computed on them differs from
+shard to shard: one shard skips the step and lowers its scale while the others
+apply it, and the replicas silently diverge. :func:`finite_reduction_axes`
+refuses that at trace time and, for the axes that do need it, returns the axes
+the check has to be reduced over; axes over which the gradients are already
+invariant (after a ``lax.pmean``, say) need no collective at all.
+
+Under ``pmap``, under ``shard_map(..., check_vma=False)`` and over ``vmap``
+axes JAX does not track variation: the check cannot see it there, so every
+axis in ``axis_name`` is reduced, and a missing ``axis_name`` goes unnoticed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+AxisName = Union[Hashable, Sequence[Hashable], None]
+
+
+def axis_tuple(axis_name: AxisName) -> Tuple[Hashable, ...]:
+  """Returns ``axis_name`` as a tuple of names (``None`` gives ``()``)."""
+  if axis_name is None:
+    return ()
+  if isinstance(axis_name, (tuple, list)):
+    return tuple(axis_name)
+  return (axis_name,)
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes the value ``x`` varies over, as JAX's type system records them.
+
+  Empty outside ``shard_map``, and inside ``pmap`` or ``shard_map(...,
+  check_vma=False)``, where JAX does not track variation.
+  """
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+  return frozenset(vma)
+
+
+def _tracks_variation(name: Hashable) -> bool:
+  """Whether JAX tracks variation over the bound axis ``name`` (shard_map with check_vma)."""
+  # The device index varies over its axis by definition; its type says so only when
+  # variation is tracked. The index itself is unused, so it costs nothing at run time.
+  return name in varying_axes(lax.axis_index(name))
+
+
+def _names(axes) -> str:
+  return "(" + ", ".join(repr(a) for a in sorted(axes, key=str)) + (",)" if len(axes) == 1 else ")")
+
+
+def finite_reduction_axes(tree: Any, axis_name: AxisName, what: str = "all_finite") -> tuple:
+  """The axes over which a finite check on ``tree`` must be reduced.
+
+  Args:
+    tree: the pytree whose floating leaves are checked (the gradients).
+    axis_name: the axis name or tuple of names the caller asked to reduce over;
+      ``None`` for none; ``()`` to ask explicitly for a per-shard answer.
+    what: the name of the calling function, for the error message.
+
+  Returns:
+    A tuple of axis names, possibly empty: the axes of ``axis_name`` over which
+    the leaves may differ (all of them where JAX does not track variation).
+
+  Raises:
+    ValueError: inside ``shard_map`` with ``check_vma=True``, when the leaves
+      vary over a manual mesh axis that ``axis_name`` does not name: a check
+      computed per shard would let the devices take different decisions.
+  """
+  axes = axis_tuple(axis_name)
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  varying = frozenset().union(*(varying_axes(x) for x in leaves))
+  missing = varying - frozenset(axes)
+  if missing and not (isinstance(axis_name, (tuple, list)) and not axes):
+    order = sorted(varying, key=str)
+    raise ValueError(
+        f"{what}: the gradients vary over the shard_map mesh axes {_names(missing)}, but "
+        f"axis_name={axis_name!r} does not reduce over them, so each shard would decide on its "
+        "own whether the step is finite, and the devices would disagree on skipping the step "
+        f"and on the loss scale. Pass axis_name={tuple(order)!r} (to jaxamp.dynamic_loss_scale, "
+        "jaxamp.static_loss_scale, jaxamp.all_finite or the accumulation transform), or reduce "
+        "the gradients over those axes first (lax.pmean); pass axis_name=() only if each shard "
+        "really is meant to decide on its own.")
+  return tuple(a for a in axes if a in varying or not _tracks_variation(a))
+
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                "collective-broadcast", "ragged-all-to-all")
+
+
+def hlo_collectives(hlo_text: str) -> list:
+  """Lists the collectives in the text of a compiled (or lowered) XLA HLO module.
+
+  Used by the tests and benchmarks to check which communication a step
+  contains, e.g. ``hlo_collectives(jax.jit(step).lower(*args).compile().as_text())``.
+
+  Returns:
+    A list of ``(op, result_shape, computation)`` tuples in program order:
+    ``op`` such as ``'all-reduce'`` (asynchronous ``-start`` halves are counted
+    once, ``-done`` halves not at all), ``result_shape`` as HLO prints it
+    (``'f32[64,32]{1,0}'``, ``'(pred[], pred[])'``), and the name of the HLO
+    computation that contains it (``'ENTRY'`` for the entry computation), which
+    tells whether it sits inside a branch of a conditional.
+  """
+  found = []
+  computation = ""
+  for line in hlo_text.splitlines():
+    stripped = line.strip()
+    if stripped.endswith("{") and "=" not in stripped.split("(")[0]:
+      words = stripped.split()
+      computation = "ENTRY" if words[0] == "ENTRY" else words[0].lstrip("%")
+      continue
+    if " = " not in stripped:
+      continue
+    rhs = stripped.split(" = ", 1)[1]
+    for op in _COLLECTIVES:
+      for suffix in ("(", "-start("):
+        marker = f" {op}{suffix}"
+        if marker in rhs:
+          found.append((op, rhs[:rhs.index(marker)].strip(), computation))
+          break
+      else:
+        continue
+      break
+  return found
