@@ -1,6 +1,10 @@
 """jaxamp: automatic mixed precision for JAX, built on optax."""
 
 from jaxamp import paddle
+from jaxamp._src.accumulation import AccumulationState
+from jaxamp._src.accumulation import accumulate_gradients
+from jaxamp._src.accumulation import get_accumulation_state
+from jaxamp._src.accumulation import has_updated
 from jaxamp._src.facade.torch import GradScaler
 from jaxamp._src.loss_scale import DEFAULT_MAX_SCALE
 from jaxamp._src.loss_scale import DEFAULT_MIN_SCALE
@@ -11,6 +15,7 @@ from jaxamp._src.loss_scale import get_loss_scale_state
 from jaxamp._src.loss_scale import scale_loss
 from jaxamp._src.loss_scale import set_loss_scale
 from jaxamp._src.loss_scale import static_loss_scale
+from jaxamp._src.microbatch import microbatch_value_and_grad
 from jaxamp._src.numerics import all_finite
 from jaxamp._src.policy import Policy
 from jaxamp._src.policy import get_policy
@@ -19,16 +24,21 @@ from jaxamp._src.policy import mixed_precision
 __version__ = "0.1.0"
 
 __all__ = (
+    "AccumulationState",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
     "GradScaler",
     "LossScaleState",
     "Policy",
+    "accumulate_gradients",
     "all_finite",
     "dynamic_loss_scale",
+    "get_accumulation_state",
     "get_loss_scale",
     "get_loss_scale_state",
     "get_policy",
+    "has_updated",
+    "microbatch_value_and_grad",
     "mixed_precision",
     "paddle",
     "scale_loss",

@@ -1,0 +1,433 @@
+"""Gradient accumulation over micro-steps as an optax transformation.
+
+The inner transformation runs only when a window of micro-batches closes;
+the other micro-steps add their gradients into one accumulator and cost about
+one read-add-write of the gradients. Windows follow mmengine's counting
+(including the shorter last window of ``total_steps``), a non-finite window
+is dropped as a whole, and the accumulator is reset by selection, so a NaN
+never leaks from one window into the next.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import warnings
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxamp._src import loss_scale as loss_scale_lib
+from jaxamp._src import numerics
+
+_HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+class AccumulationState(NamedTuple):
+  """State of :func:`accumulate_gradients`.
+
+  Every counter is an int32 scalar that saturates instead of wrapping.
+
+  Attributes:
+    mini_step: micro-steps already accumulated in the open window (0 right
+      after a window closed).
+    gradient_step: windows closed so far, i.e. the optimizer steps emitted
+      (a window dropped for non-finite gradients counts as closed).
+    micro_step: micro-steps seen in total (mmengine's ``inner_count``); a value
+      above ``total_steps`` records a call past the end.
+    updated: bool, whether the last call closed a window (see
+      :func:`has_updated`).
+    skipped_windows: windows dropped by the wrapper because their
+      accumulated gradients held an inf or a nan (0 when the inner
+      transformation is a loss scaler, which then does the skipping and
+      counts it in its own state).
+    acc_grads: the accumulated gradients (a pytree like the parameters, in
+      the accumulator dtype); an empty ``optax.EmptyState()`` when
+      ``every_k == 1``.
+    inner_state: the state of the wrapped transformation.
+  """
+
+  mini_step: jax.Array
+  gradient_step: jax.Array
+  micro_step: jax.Array
+  updated: jax.Array
+  skipped_windows: jax.Array
+  acc_grads: Any
+  inner_state: optax.OptState
+
+
+def _is_accumulation_state(node: Any) -> bool:
+  return isinstance(node, AccumulationState)
+
+
+def _is_scale_state(node: Any) -> bool:
+  return isinstance(node, loss_scale_lib.LossScaleState)
+
+
+def get_accumulation_state(opt_state: optax.OptState) -> AccumulationState:
+  """Finds the (outermost) :class:`AccumulationState` anywhere inside ``opt_state``.
+
+  Raises:
+    ValueError: when ``opt_state`` holds no accumulation state.
+  """
+  for node in jax.tree.leaves(opt_state, is_leaf=_is_accumulation_state):
+    if _is_accumulation_state(node):
+      return node
+  raise ValueError(
+      "No accumulation state found in the optimizer state (of type "
+      f"{type(opt_state).__name__}). Build the optimizer with jaxamp.accumulate_gradients(...).")
+
+
+def has_updated(opt_state: optax.OptState) -> jax.Array:
+  """Whether the last update closed an accumulation window (a bool device scalar).
+
+  Finds the (outermost) :class:`AccumulationState` anywhere inside
+  ``opt_state`` (through ``optax.chain``, ``inject_hyperparams``, ...). True
+  means the updates returned by that call came from the inner transformation
+  (or were zeros because the window was dropped as non-finite); False means
+  the call only accumulated. No host sync: wrap it in ``bool()`` only where a
+  Python value is needed.
+
+  Raises:
+    ValueError: when ``opt_state`` holds no accumulation state.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 2)
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> _, state = tx.update({'w': jnp.ones(2)}, state)
+    >>> jaxamp.has_updated(state)
+    Array(False, dtype=bool)
+    >>> _, state = tx.update({'w': jnp.ones(2)}, state)
+    >>> jaxamp.has_updated(state)
+    Array(True, dtype=bool)
+  """
+  return get_accumulation_state(opt_state).updated
+
+
+def warn_if_accumulation_inside(inner_state: optax.OptState, outer: str) -> None:
+  """Warns when a loss scaler wraps an accumulator (the per-micro-step nesting).
+
+  Called by the loss-scaling transformations at ``init``.
+  """
+  if any(_is_accumulation_state(n)
+         for n in jax.tree.leaves(inner_state, is_leaf=_is_accumulation_state)):
+    warnings.warn(
+        f"jaxamp.{outer}(...) wraps jaxamp.accumulate_gradients(...): the scale is then "
+        "checked and adjusted on every micro-step, a non-finite micro-batch is dropped from "
+        "its window (which waits for one more micro-batch, so windows drift away from "
+        "total_steps), and growth_interval counts micro-steps. For PyTorch's recipe (one scale "
+        "per window, a non-finite micro-batch skips the whole window) nest them the other "
+        f"way: jaxamp.accumulate_gradients(jaxamp.{outer}(inner), every_k).",
+        UserWarning, stacklevel=4)
+
+
+def _check_int(name: str, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+  if value < 1:
+    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+  if value > np.iinfo(np.int32).max:
+    raise ValueError(f"{name} must fit in int32 (<= {np.iinfo(np.int32).max}), got {value!r}")
+  return int(value)
+
+
+def _check_accumulator_dtype(dtype: Any) -> Optional[jnp.dtype]:
+  if dtype is None:
+    return None
+  try:
+    out = jnp.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"accumulator_dtype must be None or a floating-point dtype, got {dtype!r}"
+                    ) from None
+  if not jnp.issubdtype(out, jnp.floating):
+    raise ValueError(f"accumulator_dtype must be None or a floating-point dtype "
+                     f"(float32 is usual), got {out}")
+  return out
+
+
+def _zero_update(g: jax.Array) -> jax.Array:
+  # -0.0, not 0.0: p + (-0.0) is p bit for bit, a -0.0 parameter included.
+  g = jnp.asarray(g)
+  if jnp.issubdtype(g.dtype, jnp.inexact):
+    return jnp.full(g.shape, -0.0, g.dtype)
+  return jnp.zeros_like(g)
+
+
+def _past_end(flag: np.ndarray, micro_step: np.ndarray, total_steps: int) -> None:
+  # Runs on the host, only in the branch taken past the end (under vmap both
+  # branches run, hence the check of the flag).
+  if np.any(flag):
+    seen = int(np.max(micro_step)) + 1
+    raise RuntimeError(
+        f"accumulate_gradients: micro-step {seen} is past total_steps={total_steps}. "
+        "The last window closed at micro-step total_steps; this call returned zero updates "
+        "and left the accumulator and the inner state unchanged. Build the transformation "
+        "with a larger total_steps (or None) to train longer.")
+
+
+def accumulate_gradients(
+    inner: optax.GradientTransformation,
+    every_k: int,
+    *,
+    average: bool = True,
+    total_steps: Optional[int] = None,
+    accumulator_dtype: Any = None,
+    axis_name: numerics.AxisName = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Accumulates gradients over ``every_k`` micro-steps before each inner update.
+
+  Call ``update`` once per micro-batch, with that micro-batch's gradients.
+  Micro-steps 1 to ``k - 1`` of a window add the gradients into one
+  accumulator and return zero updates; the ``k``-th adds its own, feeds the
+  accumulated gradients (their mean when ``average``, their sum otherwise)
+  to ``inner`` and returns its updates. ``inner`` runs only on that closing
+  micro-step (under ``lax.cond``), so its state (step counts, schedules of
+  ``optax.inject_hyperparams``) advances once per optimizer step, and the
+  other micro-steps cost one read-add-write of the gradients plus the zero
+  updates. ``optax.MultiSteps``, by contrast, runs ``inner`` on every
+  micro-step and throws the result away.
+
+  **Windows and** ``total_steps`` (mmengine's ``accumulative_counts`` with
+  ``initialize_count_status(0, total_steps)``): windows close after
+  micro-steps ``k, 2k, ...`` and, when ``total_steps`` is given, after
+  micro-step ``total_steps``. If ``total_steps`` is not a multiple of ``k``
+  the last window holds the remaining ``total_steps % k`` micro-batches and
+  its mean divides by that remainder, so no micro-batch is lost and none is
+  over-weighted (``k=4, total_steps=10``: windows of 4, 4 and 2). A call
+  past ``total_steps`` returns zero updates, leaves the accumulator and the
+  inner state unchanged, records itself in ``micro_step`` (which then
+  exceeds ``total_steps``) and raises a ``RuntimeError`` from a host
+  callback that only runs in that case (under ``jit`` it surfaces as a
+  ``jax.errors.JaxRuntimeError`` carrying the message). It never divides by
+  zero. A resumed run continues mmengine's counting when ``micro_step`` is
+  set to the number of micro-steps done and ``mini_step`` to
+  ``micro_step % k``.
+
+  **Non-finite windows.** When the accumulated gradients of a window hold an
+  inf or a nan, the whole window is dropped: zero updates, inner state
+  untouched, ``skipped_windows`` incremented; the accumulator restarts from
+  zeros (selected, never multiplied by 0), so the next window is unaffected.
+  The check reads the accumulator once, on the closing micro-step only. When
+  ``inner`` holds a loss scaler (:func:`dynamic_loss_scale`,
+  :func:`static_loss_scale`) the window is handed to it instead, so that it
+  can skip the step and back off the scale itself.
+
+  **With loss scaling**, ``accumulate_gradients(dynamic_loss_scale(inner), k)``
+  is PyTorch's recipe: the scale (found by :func:`get_loss_scale` and
+  :func:`scale_loss` through this wrapper) stays constant within a window,
+  every micro-batch's loss is multiplied by it, and the accumulated
+  gradients are unscaled and checked once per window; an inf or nan in any
+  micro-batch skips the whole window and backs the scale off once;
+  ``growth_interval`` counts optimizer steps. The other nesting,
+  ``dynamic_loss_scale(accumulate_gradients(inner, k))``, unscales, checks
+  and adjusts the scale on every micro-step, drops a bad micro-batch from
+  its window (the window then waits for one more, drifting away from
+  ``total_steps``) and counts ``growth_interval`` in micro-steps; it warns
+  at ``init``. PyTorch divides each micro-batch's loss by ``k`` before
+  scaling; in float16 use ``average=False`` on ``scale_loss(loss / k)``
+  gradients to reproduce its intermediate magnitudes exactly.
+
+  **Data parallelism** (``axis_name``; the counterpart of DDP's ``no_sync``):
+  inside ``shard_map``/``pmap``, each device accumulates its own partial
+  gradients and the accumulated gradients are all-reduced (mean over the
+  axis, in the accumulator dtype) only on the closing micro-step, so
+  gradient communication drops ``k``-fold. ``inner`` then sees identical,
+  globally reduced gradients on every device (an inner loss scaler needs no
+  ``axis_name`` of its own). The accumulator differs between devices: keep
+  it per device (e.g. a leading device axis in the ``shard_map`` specs, or
+  the whole loop inside the mapped function).
+
+  Choose this transformation when micro-batches arrive over separate calls
+  (a data loader yielding micro-batches, ported PyTorch/mmengine loops,
+  ``total_steps`` remainders). When the whole large batch is at hand in one
+  step, :func:`microbatch_value_and_grad` computes its gradient in one call
+  with no accumulator in the optimizer state.
+
+  Args:
+    inner: the optax transformation applied to the accumulated gradients,
+      e.g. ``optax.adamw(1e-3)`` or ``jaxamp.dynamic_loss_scale(...)``.
+    every_k: micro-steps per window (mmengine's ``accumulative_counts``),
+      an int >= 1.
+    average: feed ``inner`` the mean of the window's gradients (True) or
+      their sum (False).
+    total_steps: the run's total number of micro-steps, for the shorter last
+      window; ``None`` for an open-ended run (every window has ``k``).
+    accumulator_dtype: dtype of the accumulator; ``None`` means float32 for
+      float16/bfloat16 leaves and the leaf's own dtype otherwise. ``inner``
+      receives, and the updates come back in, the gradients' own dtypes.
+    axis_name: mapped axis name (or tuple of names) to all-reduce the
+      accumulated gradients over, once per window.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    :class:`AccumulationState`. Extra keyword arguments of ``update`` are
+    passed to ``inner`` on the closing micro-step.
+
+  Raises:
+    TypeError: for arguments of the wrong type.
+    ValueError: for out-of-range arguments.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 2)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({'w': jnp.array([1.0, 2.0])}, state)
+    >>> updates['w']  # -0.0: p + (-0.0) is p, bit for bit
+    Array([-0., -0.], dtype=float32)
+    >>> updates, state = tx.update({'w': jnp.array([3.0, 2.0])}, state)
+    >>> updates['w'], state.gradient_step
+    (Array([-2., -2.], dtype=float32), Array(1, dtype=int32))
+
+    The shorter last window of ``total_steps`` divides by its own length:
+
+    >>> tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 4, total_steps=6)
+    >>> state = tx.init(params)
+    >>> for g in [1.0, 1.0, 1.0, 1.0, 4.0, 2.0]:
+    ...   updates, state = tx.update({'w': jnp.full(2, g)}, state)
+    >>> updates['w']
+    Array([-3., -3.], dtype=float32)
+  """
+  inner = loss_scale_lib._check_inner(inner)  # pylint: disable=protected-access
+  k = _check_int("every_k", every_k)
+  if not isinstance(average, (bool, np.bool_)):
+    raise TypeError(f"average must be a bool, got {average!r} of type {type(average).__name__}")
+  average = bool(average)
+  if total_steps is not None:
+    total_steps = _check_int("total_steps", total_steps)
+  acc_dtype = _check_accumulator_dtype(accumulator_dtype)
+  accumulates = k > 1
+
+  def leaf_acc_dtype(x) -> jnp.dtype:
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      return dtype
+    if acc_dtype is not None:
+      return acc_dtype
+    return jnp.dtype(jnp.float32) if dtype in _HALF else dtype
+
+  def init_fn(params):
+    if accumulates:
+      acc = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), leaf_acc_dtype(p)), params)
+    else:
+      acc = optax.EmptyState()
+    return AccumulationState(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=jnp.zeros([], jnp.int32),
+        micro_step=jnp.zeros([], jnp.int32),
+        updated=jnp.zeros([], jnp.bool_),
+        skipped_windows=jnp.zeros([], jnp.int32),
+        acc_grads=acc,
+        inner_state=inner.init(params),
+    )
+
+  def update_fn(grads, state, params=None, **extra_args):
+    # Static: a loss scaler inside does its own finite check and skipping.
+    scaler_inside = any(_is_scale_state(n) for n in
+                        jax.tree.leaves(state.inner_state, is_leaf=_is_scale_state))
+
+    def zeros_like_grads():
+      return jax.tree.map(_zero_update, grads)
+
+    def divisor(dtype):
+      if total_steps is None or total_steps % k == 0:
+        return jnp.asarray(k, dtype)
+      remainder = total_steps % k
+      full = state.micro_step < total_steps - remainder
+      return jnp.where(full, k, remainder).astype(dtype)
+
+    window_full = state.mini_step + 1 >= k
+    if total_steps is None:
+      beyond = None
+      emit = window_full
+    else:
+      beyond = state.micro_step >= total_steps
+      emit = jnp.logical_and(jnp.logical_or(window_full, state.micro_step + 1 >= total_steps),
+                             jnp.logical_not(beyond))
+
+    def window_sum(acc, grads):
+      if not accumulates:
+        return grads
+      return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+
+    def close(acc, grads, inner_state, params):
+      total = window_sum(acc, grads)
+      if axis_name is not None:
+        total = lax.pmean(total, axis_name)
+      if average and k > 1:
+        total = jax.tree.map(
+            lambda t: t / divisor(t.dtype) if jnp.issubdtype(t.dtype, jnp.inexact) else t, total)
+      mean = jax.tree.map(lambda t, g: t.astype(jnp.result_type(g)), total, grads)
+
+      def step(mean, inner_state, params):
+        updates, new_inner = inner.update(mean, inner_state, params, **extra_args)
+        updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), updates, grads)
+        new_inner = jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)),
+                                 new_inner, inner_state)
+        return updates, new_inner, jnp.zeros([], jnp.bool_)
+
+      def drop(mean, inner_state, params):
+        del mean, params
+        return zeros_like_grads(), inner_state, jnp.ones([], jnp.bool_)
+
+      if scaler_inside:
+        out = step(mean, inner_state, params)
+      else:
+        finite = numerics.all_finite(mean)
+        out = lax.cond(finite, step, drop, mean, inner_state, params)
+      return out + (jnp.ones([], jnp.bool_),)
+
+    def keep(acc, grads, inner_state, params):
+      del acc, grads, params
+      return zeros_like_grads(), inner_state, jnp.zeros([], jnp.bool_), jnp.zeros([], jnp.bool_)
+
+    operands = (state.acc_grads, grads, state.inner_state, params)
+    if accumulates or total_steps is not None:
+      updates, inner_state, dropped, closed = lax.cond(emit, close, keep, *operands)
+    else:
+      updates, inner_state, dropped, closed = close(*operands)
+    if beyond is not None:
+      # Past the end: zero updates from `keep` above, and an error raised from
+      # the host, in a branch that only runs in that case.
+      def report(beyond, micro_step):
+        jax.debug.callback(functools.partial(_past_end, total_steps=total_steps), beyond,
+                           micro_step)
+
+      lax.cond(beyond, report, lambda *_: None, beyond, state.micro_step)
+
+    # The accumulator is updated after the branches, by selection: one fused
+    # read-add-write, in place in the donated buffer. A closed window restarts
+    # from zeros (never a multiplication by 0, which would keep a nan); past
+    # the end nothing is added. Selecting on `closed`, an output of the
+    # branches, orders their read of the accumulator before this write, so
+    # XLA needs no defensive copy of it.
+    if accumulates:
+      summed = window_sum(state.acc_grads, grads)
+      acc = jax.tree.map(lambda s: jnp.where(closed, jnp.zeros_like(s), s), summed)
+      if beyond is not None:
+        acc = jax.tree.map(lambda n, o: jnp.where(beyond, o, n), acc, state.acc_grads)
+    else:
+      acc = optax.EmptyState()
+
+    mini_step = jnp.where(emit, 0, state.mini_step + 1)
+    if total_steps is not None:
+      mini_step = jnp.where(beyond, state.mini_step, mini_step)
+    new_state = AccumulationState(
+        mini_step=mini_step.astype(jnp.int32),
+        gradient_step=jnp.where(emit, numerics.safe_increment(state.gradient_step),
+                                state.gradient_step).astype(jnp.int32),
+        micro_step=numerics.safe_increment(state.micro_step),
+        updated=jnp.asarray(emit, jnp.bool_),
+        skipped_windows=jnp.where(dropped, numerics.safe_increment(state.skipped_windows),
+                                  state.skipped_windows).astype(jnp.int32),
+        acc_grads=acc,
+        inner_state=inner_state,
+    )
+    return updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
