@@ -5,6 +5,14 @@ from jaxamp._src.accumulation import AccumulationState
 from jaxamp._src.accumulation import accumulate_gradients
 from jaxamp._src.accumulation import get_accumulation_state
 from jaxamp._src.accumulation import has_updated
+from jaxamp._src.clipping import ClipGradNormState
+from jaxamp._src.clipping import clip_grad_norm
+from jaxamp._src.clipping import clip_grad_value
+from jaxamp._src.clipping import total_grad_norm
+from jaxamp._src.facade.builder import build_optim_wrapper
+from jaxamp._src.facade.mmengine import AmpOptimWrapper
+from jaxamp._src.facade.mmengine import OptimWrapper
+from jaxamp._src.facade.mmengine import OptimWrapperDict
 from jaxamp._src.facade.torch import GradScaler
 from jaxamp._src.loss_scale import DEFAULT_MAX_SCALE
 from jaxamp._src.loss_scale import DEFAULT_MIN_SCALE
@@ -25,13 +33,20 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AccumulationState",
+    "AmpOptimWrapper",
+    "ClipGradNormState",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
     "GradScaler",
     "LossScaleState",
+    "OptimWrapper",
+    "OptimWrapperDict",
     "Policy",
     "accumulate_gradients",
     "all_finite",
+    "build_optim_wrapper",
+    "clip_grad_norm",
+    "clip_grad_value",
     "dynamic_loss_scale",
     "get_accumulation_state",
     "get_loss_scale",
@@ -44,4 +59,5 @@ __all__ = (
     "scale_loss",
     "set_loss_scale",
     "static_loss_scale",
+    "total_grad_norm",
 )
