@@ -123,7 +123,7 @@ def warn_if_accumulation_inside(inner_state: optax.OptState, outer: str) -> None
         "total_steps), and growth_interval counts micro-steps. For PyTorch's recipe (one scale "
         "per window, a non-finite micro-batch skips the whole window) nest them the other "
         f"way: jaxamp.accumulate_gradients(jaxamp.{outer}(inner), every_k).",
-        UserWarning, stacklevel=4)
+        UserWarning, stacklevel=3)
 
 
 def _check_int(name: str, value: Any) -> int:

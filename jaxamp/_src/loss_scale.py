@@ -185,13 +185,18 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule,
 
   def init_fn(params):
     check_grad_dtypes(params, "params")
+    inner_state = inner.init(params)
+    # Deferred import: the accumulation module imports this one.
+    from jaxamp._src import accumulation  # pylint: disable=import-outside-toplevel
+    accumulation.warn_if_accumulation_inside(
+        inner_state, "dynamic_loss_scale" if rule.dynamic else "static_loss_scale")
     return LossScaleState(
         scale=jnp.asarray(init_scale, jnp.float32),
         growth_tracker=jnp.zeros([], jnp.int32),
         overflow_count=jnp.zeros([], jnp.int32),
         skipped=jnp.zeros([], jnp.bool_),
         skipped_steps=jnp.zeros([], jnp.int32),
-        inner_state=inner.init(params),
+        inner_state=inner_state,
     )
 
   def update_fn(grads, state, params=None, **extra_args):
