@@ -26,6 +26,14 @@ def _check_accumulator_dtype(dtype: Any) -> jnp.dtype:
   return out
 
 
+def _wider(dtype: jnp.dtype, floor: jnp.dtype) -> jnp.dtype:
+  """``dtype`` if it has more bits than ``floor``, else ``floor`` (whatever the promotion mode)."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits > jnp.finfo(floor).bits:
+    return dtype
+  return jnp.dtype(floor)
+
+
 def _scale_value(loss_scale: Any) -> Optional[jax.Array]:
   """The loss scale as a float32 scalar: given directly, or found in an optax state."""
   if loss_scale is None:
@@ -172,7 +180,7 @@ def microbatch_value_and_grad(
       loss = jnp.asarray(loss)
       if loss.shape != ():
         raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}")
-      loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+      loss = loss.astype(_wider(loss.dtype, jnp.dtype(jnp.float32)))
       scaled = loss if scale is None else loss * scale.astype(loss.dtype)
       return scaled, (loss, aux)
 
@@ -181,8 +189,7 @@ def microbatch_value_and_grad(
     grads_shape, (loss_shape, _) = jax.eval_shape(grad_fn, params, first)
 
     def acc_dtype_of(x):
-      return jnp.promote_types(x.dtype, acc_dtype) if jnp.issubdtype(x.dtype, jnp.inexact) \
-          else x.dtype
+      return _wider(x.dtype, acc_dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x.dtype
 
     acc0 = jax.tree.map(lambda g: jnp.zeros(g.shape, acc_dtype_of(g)), grads_shape)
     loss0 = jnp.zeros([], acc_dtype_of(loss_shape))
