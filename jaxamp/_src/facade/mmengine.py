@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import math
 import numbers
 import warnings
 from collections.abc import Mapping, MutableMapping
@@ -297,6 +298,18 @@ def _as_float(name: str, value: Any) -> float:
     raise TypeError(f"{name} must be a real number, got {value!r}")
   out = float(np.asarray(value))
   return out
+
+
+def _shortest_float(array: np.ndarray) -> float:
+  """The shortest decimal that rounds to ``array``'s value in its dtype (float32 0.1 -> 0.1)."""
+  value = float(array)
+  if not math.isfinite(value) or not np.issubdtype(array.dtype, np.inexact):
+    return value
+  try:
+    short = float(str(array[()]))
+  except ValueError:
+    return value
+  return short if np.asarray(short, array.dtype) == array else value
 
 
 def generic_codecs(hyperparams: Mapping[str, Any]) -> Dict[str, HyperparamCodec]:
@@ -712,7 +725,7 @@ class OptimWrapper:
   def _factor(self, factor: float) -> jax.Array:
     array = self._factors.get(factor)
     if array is None:
-      array = self._factors[factor] = jnp.asarray(factor, jnp.float32)
+      array = self._factors[factor] = jax.device_put(np.float32(factor))
     return array
 
   # -- properties ------------------------------------------------------------------------------
@@ -1014,7 +1027,7 @@ class OptimWrapper:
     codec = spec.codecs[key]
     node = inject_nodes(self.opt_state)[index]
     arrays = [np.asarray(node.hyperparams[k]) for k in codec.keys]
-    values = tuple(float(a) for a in arrays)
+    values = tuple(_shortest_float(a) for a in arrays)
     if key in spec.mirror:
       mirrored = codec.encode(spec.mirror[key])
       if all(np.asarray(m, a.dtype) == a for m, a in zip(mirrored, arrays)):
