@@ -1,0 +1,274 @@
+"""jaxamp.AmpOptimWrapper: mmengine's AMP wrapper on dynamic/static loss scaling and a compute dtype."""
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+
+X = jnp.array([3.0, 4.0], jnp.float32)
+
+
+def bad_loss(params, x, bad):
+  return jnp.sum(params["w"] * x) * jnp.where(bad, jnp.float32(jnp.inf), jnp.float32(1.0))
+
+
+def w_params(value=(1.0, 1.0)):
+  return {"w": jnp.asarray(value, jnp.float32)}
+
+
+def run(wrapper, pattern, x=X):
+  out = []
+  for bad in pattern:
+    wrapper.update_params(bad_loss, x, jnp.asarray(bad))
+    out.append((wrapper.get_scale(), np.asarray(wrapper.params["w"])))
+  return out
+
+
+def test_reference_example():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), clip_grad=dict(max_norm=1.0),
+                                   loss_scale=dict(init_scale=4, growth_interval=2))
+  out = run(wrapper, [False, False, True, False, False, False])
+  assert [s for s, _ in out] == [4.0, 8.0, 4.0, 4.0, 8.0, 8.0]
+  expected = [[.94, .92], [.88, .84], [.88, .84], [.82, .76], [.76, .68], [.70, .60]]
+  np.testing.assert_allclose([w for _, w in out], expected, rtol=1e-6)
+  assert float(wrapper.last_grad_norm) == pytest.approx(5.0)
+
+
+def test_skipped_step_reports_the_non_finite_norm_and_keeps_everything():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1, momentum=0.9), {"w": jnp.array([-0.0, 1.0])},
+                                   clip_grad=dict(max_norm=1.0), loss_scale=dict(init_scale=4.0))
+  wrapper.update_params(bad_loss, X, jnp.asarray(False))
+  params, opt_state = wrapper.params, wrapper.opt_state
+  wrapper.update_params(bad_loss, X, jnp.asarray(True))
+  assert not np.isfinite(wrapper.last_grad_norm)
+  for a, b in zip(jax.tree.leaves((params, opt_state)),
+                  jax.tree.leaves((wrapper.params, wrapper.opt_state))):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  assert wrapper.get_scale() == 2.0
+  assert bool(wrapper.loss_scaler.skipped) and int(wrapper.loss_scaler.skipped_steps) == 1
+
+
+def test_accumulation_window_skips_once_and_scale_moves_per_step():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), accumulative_counts=2,
+                                   loss_scale=dict(init_scale=8.0, growth_interval=1))
+  scales = [s for s, _ in run(wrapper, [False, False])]
+  assert scales == [8.0, 16.0]  # grows once per optimizer step, not per micro-batch
+  np.testing.assert_allclose(wrapper.params["w"], 1 - 0.1 * np.asarray(X), rtol=1e-6)
+  before = np.asarray(wrapper.params["w"])
+  out = run(wrapper, [False, True])  # an overflow in the window: the whole window is skipped
+  assert [s for s, _ in out] == [16.0, 8.0]
+  np.testing.assert_array_equal(wrapper.params["w"], before)
+  run(wrapper, [False, False])
+  np.testing.assert_allclose(wrapper.params["w"], before - 0.1 * np.asarray(X), rtol=1e-6)
+
+
+def test_static_and_dynamic_loss_scale():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params())
+  assert wrapper.get_scale() == 65536.0
+  assert wrapper.state_dict()["loss_scaler"] == {
+      "scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+      "_growth_tracker": 0}
+  static = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=512.0)
+  out = run(static, [False, True, False])
+  assert [s for s, _ in out] == [512.0] * 3
+  np.testing.assert_array_equal(out[1][1], out[0][1])  # the bad step is still skipped
+  assert static.state_dict()["loss_scaler"]["_growth_tracker"] == 0
+
+
+def test_hysteresis_and_bounds_in_dict():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
+                                   loss_scale=dict(init_scale=8.0, hysteresis=2, min_scale=4.0))
+  scales = [s for s, _ in run(wrapper, [True, True, True, True])]
+  assert scales == [8.0, 4.0, 4.0, 4.0]
+  assert wrapper.state_dict()["loss_scaler"]["_hysteresis_tracker"] == 0
+
+
+@pytest.mark.parametrize("loss_scale,err,match", [
+    (512, TypeError, 'loss_scale must be of type float, dict, or "dynamic", but got 512'),
+    ("static", TypeError, "but got static"),
+    (None, TypeError, "but got None"),
+    (dict(init_scale=4.0, foo=1), TypeError, "unexpected keyword argument 'foo'"),
+    (dict(growth_factor=0.5), ValueError, "growth_factor"),
+    (-1.0, ValueError, "loss_scale"),
+])
+def test_bad_loss_scale(loss_scale, err, match):
+  with pytest.raises(err, match=match):
+    jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=loss_scale)
+
+
+def test_disabled_scaler():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=dict(enabled=False))
+  assert wrapper.get_scale() == 1.0 and wrapper.loss_scaler is None
+  wrapper.update_params(bad_loss, X, jnp.asarray(False))
+  np.testing.assert_allclose(wrapper.params["w"], 1 - 0.1 * np.asarray(X), rtol=1e-6)
+  sd = wrapper.state_dict()
+  assert sd["loss_scaler"] == {}
+  wrapper.load_state_dict(sd)
+
+
+def test_compute_dtype_casts_inside_and_keeps_float32_masters():
+  seen = []
+
+  def loss(params, x):
+    seen.append((params["w"].dtype, x.dtype))
+    return jnp.sum(params["w"] * x)
+
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), dtype="bfloat16",
+                                   loss_scale=dict(init_scale=2.0**10))
+  out = wrapper.update_params(loss, X)
+  assert seen == [(jnp.bfloat16, jnp.bfloat16)]
+  assert out.dtype == jnp.float32 and float(out) == 7.0
+  assert wrapper.params["w"].dtype == jnp.float32
+  wrapper.backward(loss, X)
+  assert wrapper.grads["w"].dtype == jnp.float32
+  np.testing.assert_array_equal(wrapper.grads["w"], 2.0**10 * np.asarray(X))  # the scaled loss
+  with wrapper.optim_context() as cast:
+    assert cast({"x": X, "n": jnp.arange(2)})["x"].dtype == jnp.bfloat16
+    assert cast({"x": X, "n": jnp.arange(2)})["n"].dtype == jnp.int32
+  with jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params()).optim_context() as cast:
+    assert cast(X) is X  # dtype=None casts nothing
+  assert jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), dtype=jnp.float16).cast_dtype == \
+      jnp.float16
+
+
+def test_bad_dtype_and_float16_masters():
+  with pytest.raises(AssertionError, match="dtype should be any of"):
+    jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), dtype="int8")
+  with pytest.raises(ValueError, match="dtype should be any of"):
+    jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), dtype="half")
+  with pytest.raises(TypeError, match="dtype"):
+    jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), dtype=jnp.int32)
+  with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
+    jaxamp.AmpOptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2, jnp.float16)})
+
+
+def test_update_params_loop_compiles_once_and_never_syncs():
+  calls = []
+
+  def loss(params, x, bad):  # runs in float16
+    calls.append(1)
+    y = jnp.sum(params["w"] * x)
+    return y * jnp.where(bad, jnp.inf, 1.0).astype(y.dtype)
+
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.01, momentum=0.9), w_params(), dtype="float16",
+                                   accumulative_counts=2, clip_grad=dict(max_norm=1.0),
+                                   loss_scale=dict(init_scale=2.0**8, growth_interval=3))
+  pattern = [jnp.asarray(i % 7 == 3) for i in range(100)]
+  wrapper.update_params(loss, X, pattern[0])
+  with jax.transfer_guard("disallow"):
+    for bad in pattern[1:]:
+      wrapper.update_params(loss, X, bad)
+  assert dict(wrapper._trace_counts) == {"grad": 1, "fused_acc": 1}
+  assert len(calls) == 2
+  assert wrapper.inner_count == 100
+
+
+def test_error_if_nonfinite_raises_on_overflow():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=dict(init_scale=4.0),
+                                   clip_grad=dict(max_norm=1.0, error_if_nonfinite=True))
+  wrapper.update_params(bad_loss, X, jnp.asarray(False))
+  scale = wrapper.get_scale()
+  with pytest.raises(RuntimeError, match="non-finite"):
+    wrapper.update_params(bad_loss, X, jnp.asarray(True))
+  assert wrapper.get_scale() == scale
+
+
+def test_apply_gradients_with_external_skip_keeps_the_scale():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
+                                   loss_scale=dict(init_scale=4.0, growth_interval=1))
+  state = wrapper._state
+  wrapper.apply_gradients({"w": 4.0 * X}, skip=jnp.asarray(True))
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(wrapper._state)):
+    np.testing.assert_array_equal(a, b)
+  wrapper.apply_gradients({"w": 4.0 * X})  # gradients of the scaled loss: unscaled inside
+  np.testing.assert_allclose(wrapper.params["w"], 1 - 0.1 * np.asarray(X), rtol=1e-6)
+  assert wrapper.get_scale() == 8.0
+  with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+    wrapper.step(closure=lambda: 0.0)
+
+
+# -------------------------------------------------------------------------------------------------
+# State dicts: PyTorch's GradScaler format, round trips, partial and bad loads.
+# -------------------------------------------------------------------------------------------------
+
+
+PATTERN = [False, True, False, False, False, True, False, False]
+
+
+def make(**kw):
+  kw.setdefault("loss_scale", dict(init_scale=16.0, growth_interval=2))
+  opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+  return jaxamp.AmpOptimWrapper(opt, w_params(), clip_grad=dict(max_norm=2.0), **kw)
+
+
+def test_round_trip_continues_the_trajectory():
+  full = make()
+  expected = run(full, PATTERN)
+  first = make()
+  run(first, PATTERN[:3])
+  saved = copy.deepcopy(first.state_dict())
+  scaler = saved["loss_scaler"]
+  assert set(scaler) == {"scale", "growth_factor", "backoff_factor", "growth_interval",
+                         "_growth_tracker"}
+  assert type(scaler["scale"]) is float and type(scaler["_growth_tracker"]) is int
+  assert type(scaler["growth_interval"]) is int
+  resumed = make(loss_scale="dynamic")  # a different scaler config: the loaded one wins
+  resumed.params = first.params
+  resumed.load_state_dict(saved)
+  assert resumed.get_scale() == first.get_scale()
+  out = run(resumed, PATTERN[3:])
+  for (s1, w1), (s2, w2) in zip(expected[3:], out):
+    assert s1 == s2
+    np.testing.assert_array_equal(w1, w2)
+  assert resumed.state_dict()["loss_scaler"] == full.state_dict()["loss_scaler"]
+
+
+def test_load_without_loss_scaler_loads_the_optimizer_only():
+  a, b = make(), make()
+  run(a, PATTERN[:4])
+  sd = a.state_dict()
+  del sd["loss_scaler"]
+  b.load_state_dict(sd)
+  assert b.get_scale() == 16.0
+  jax.tree.map(np.testing.assert_array_equal, b.opt_state, a.opt_state)
+
+
+def test_bad_scaler_state_changes_nothing():
+  wrapper = make()
+  run(wrapper, PATTERN[:2])
+  good = wrapper.state_dict()
+  state = wrapper._state
+  cases = [
+      (dict(good, loss_scaler={}), RuntimeError,
+       "The source state dict is empty, possibly because it was saved from a disabled instance "
+       "of GradScaler."),
+      (dict(good, loss_scaler={"scale": 2.0}), ValueError, "missing"),
+      (dict(good, loss_scaler=dict(good["loss_scaler"], extra=1)), ValueError, "unexpected"),
+      (dict(good, loss_scaler=dict(good["loss_scaler"], scale=-1.0)), ValueError, "scale"),
+      (dict(good, loss_scaler=dict(good["loss_scaler"], growth_factor=0.5)), ValueError,
+       "growth_factor"),
+      (dict(good, loss_scaler=dict(good["loss_scaler"], _growth_tracker=1.5)), TypeError,
+       "_growth_tracker"),
+      (dict(good, state=optax.sgd(0.1).init(w_params())), ValueError, "different optimizer"),
+  ]
+  for sd, err, match in cases:
+    with pytest.raises(err, match=match):
+      wrapper.load_state_dict(sd)
+    assert wrapper._state is state
+
+
+def test_loading_other_scaler_factors_rebuilds_once():
+  wrapper = make()
+  run(wrapper, PATTERN[:2])
+  sd = wrapper.state_dict()
+  sd["loss_scaler"].update(growth_factor=4.0, growth_interval=1, scale=8.0, _growth_tracker=0)
+  wrapper.load_state_dict(sd)
+  assert wrapper._jits == {}
+  run(wrapper, [False, False])
+  assert wrapper.get_scale() == 128.0
+  assert wrapper.state_dict()["loss_scaler"]["growth_factor"] == 4.0
