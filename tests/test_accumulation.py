@@ -236,8 +236,9 @@ def test_multisteps_is_poisoned_where_we_are_not():
   ms = optax.MultiSteps(optax.sgd(0.1), k)
   state = ms.init(PARAMS)
   with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes float and int32
+    update = jax.jit(ms.update)
     for g in grads:
-      _, state = ms.update(g, state, PARAMS)
+      _, state = update(g, state, PARAMS)
   assert any(bool(jnp.isnan(a).any()) for a in jax.tree.leaves(state.acc_grads))
   out = run(jaxamp.accumulate_gradients(optax.sgd(0.1), k), grads)
   assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(out[-1][0]))
@@ -455,13 +456,14 @@ def test_axis_name_reduces_once_per_window_under_vmap():
   step = jax.jit(jax.vmap(lambda p, s, g: tx.update(g, s, p), axis_name="data"))
   ref_tx = jaxamp.accumulate_gradients(inner, k)
   ref_state = ref_tx.init(PARAMS)
+  ref_update = jax.jit(ref_tx.update)
   for i in range(2 * k):
     grads = jax.tree.map(lambda *xs: jnp.stack(xs), *[per_device[d][i] for d in range(devices)])
     updates, state = step(params, state, grads)
     params = optax.apply_updates(params, updates)
     # The same computation on the device-mean gradients, unmapped.
     mean = jax.tree.map(lambda x: x.mean(0), grads)
-    ref_updates, ref_state = ref_tx.update(mean, ref_state, PARAMS)
+    ref_updates, ref_state = ref_update(mean, ref_state, PARAMS)
     for u, r in zip(jax.tree.leaves(updates), jax.tree.leaves(ref_updates)):
       np.testing.assert_allclose(u, jnp.broadcast_to(r, u.shape), rtol=1e-5, atol=1e-7)
   scale = jaxamp.get_loss_scale(state)

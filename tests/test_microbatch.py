@@ -74,7 +74,7 @@ def test_aux_is_stacked_per_micro_batch(reference):
   np.testing.assert_array_equal(aux["first_y"], batch["y"][:NUM])
   for j in range(NUM):
     sub = jax.tree.map(lambda x, j=j: x[j::NUM], batch)
-    np.testing.assert_allclose(aux["loss"][j], loss_fn(params, sub), rtol=1e-5)
+    np.testing.assert_allclose(aux["loss"][j], jax.jit(loss_fn)(params, sub), rtol=1e-5)
 
 
 def test_loss_scale_scales_the_gradients_not_the_loss(reference):
@@ -88,7 +88,7 @@ def test_loss_scale_scales_the_gradients_not_the_loss(reference):
     assert_tree_close(got_grads, jax.tree.map(lambda g: g * 2.0**10, grads), atol=1e-3)
   # Straight into the loss scaler: unscaled, checked, applied.
   (_, _), scaled = fn(params, batch, loss_scale=opt_state)
-  updates, opt_state = tx.update(scaled, opt_state, params)
+  updates, opt_state = jax.jit(tx.update)(scaled, opt_state, params)
   assert_tree_close(updates, jax.tree.map(lambda g: -0.1 * g, grads))
   assert not bool(opt_state.skipped)
 
@@ -111,7 +111,7 @@ def test_axis_name_averages_across_devices():
   fn = jaxamp.microbatch_value_and_grad(loss_fn, NUM, axis_name="data")
   loss, grads = jax.jit(jax.vmap(fn, in_axes=(None, 0), axis_name="data"))(params, stacked)
   full = jax.tree.map(lambda x: jnp.concatenate(list(x)), stacked)
-  ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, full)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(params, full)
   np.testing.assert_allclose(loss, jnp.full(3, ref_loss), rtol=1e-5)
   assert_tree_close(jax.tree.map(lambda g: g[1], grads), ref_grads)
 
@@ -126,7 +126,7 @@ def test_args_and_kwargs_reach_every_micro_batch(reference, count_traces):
   fn = jax.jit(traced)
   loss1, _ = fn(params, batch, jnp.float32(2.0), offset=jnp.float32(1.0))
   loss2, _ = fn(params, batch, jnp.float32(3.0), offset=jnp.float32(0.0))
-  base = loss_fn(params, batch)
+  base = jax.jit(loss_fn)(params, batch)
   np.testing.assert_allclose(loss1, 2.0 * base + 1.0, rtol=1e-5)
   np.testing.assert_allclose(loss2, 3.0 * base, rtol=1e-5)
   assert counter["n"] == 1  # no recompilation
