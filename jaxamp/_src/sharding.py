@@ -16,11 +16,12 @@ axis in ``axis_name`` is reduced, and a missing ``axis_name`` goes unnoticed.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence, Tuple, Union
+from typing import Any, Hashable, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType
 
 AxisName = Union[Hashable, Sequence[Hashable], None]
 
@@ -34,17 +35,72 @@ def axis_tuple(axis_name: AxisName) -> Tuple[Hashable, ...]:
   return (axis_name,)
 
 
+def _aval(x: Any) -> Any:
+  return x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+
+
 def varying_axes(x: Any) -> frozenset:
   """The manual mesh axes the value ``x`` varies over, as JAX's type system records them.
 
-  Empty outside ``shard_map``, and inside ``pmap`` or ``shard_map(...,
-  check_vma=False)``, where JAX does not track variation.
+  ``x`` is an array, a tracer or a ``jax.ShapeDtypeStruct`` (from
+  ``jax.eval_shape``). Empty outside ``shard_map``, and inside ``pmap`` or
+  ``shard_map(..., check_vma=False)``, where JAX does not track variation.
   """
-  aval = jax.typeof(x)
+  aval = _aval(x)
   vma = getattr(aval, "vma", None)
   if vma is None:
     vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
   return frozenset(vma)
+
+
+def tree_varying_axes(tree: Any) -> frozenset:
+  """The union of :func:`varying_axes` over the leaves of ``tree`` (non-array leaves ignored)."""
+  out = frozenset()
+  for x in jax.tree.leaves(tree):
+    try:
+      out |= varying_axes(x)
+    except TypeError:  # a string or another non-array value: it varies over nothing
+      pass
+  return out
+
+
+def mark_varying(x: jax.Array, axes: frozenset) -> jax.Array:
+  """Types ``x`` as varying over ``axes`` too (a no-op cast; only the type changes).
+
+  Used where two values must have the same type, e.g. the branches of a
+  ``lax.cond`` or the carry of a ``lax.scan`` inside ``shard_map``.
+  """
+  missing = tuple(sorted(frozenset(axes) - varying_axes(x), key=str))
+  if not missing:
+    return x
+  return lax.pcast(x, missing, to="varying")
+
+
+def full_like_type(like: Any, value: Any, dtype: Any = None,
+                   varying: Optional[frozenset] = None) -> jax.Array:
+  """A new array filled with ``value``, with the shape and sharding of ``like``.
+
+  ``like`` is an array, a tracer or a ``jax.ShapeDtypeStruct``. Unlike
+  ``jnp.full_like`` the result depends on no data: it is typed as varying
+  over ``varying`` (by default the axes ``like`` varies over), which may be
+  fewer, so that, e.g., the zero updates of a skipped step have the type of
+  the real updates computed from all-reduced gradients. Under an ``Explicit``
+  mesh it carries ``like``'s sharding, so that the two are also sharded alike.
+  """
+  aval = _aval(like)
+  dtype = aval.dtype if dtype is None else dtype
+  out_sharding = None
+  sharding = getattr(aval, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is not None and AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
+    out_sharding = sharding
+  out = jnp.full(aval.shape, value, dtype, out_sharding=out_sharding)
+  return mark_varying(out, varying_axes(aval) if varying is None else varying)
+
+
+def tracked_axes(axis_name: AxisName) -> tuple:
+  """The axes of ``axis_name`` over which JAX tracks variation (``shard_map`` with check_vma)."""
+  return tuple(a for a in axis_tuple(axis_name) if _tracks_variation(a))
 
 
 def _tracks_variation(name: Hashable) -> bool:
