@@ -221,7 +221,8 @@ class GradScaler:
   def _apply(self, optimizer: Any, record: _torch.OptimizerRecord) -> None:
     if record.stage is _torch.OptState.READY:
       self.unscale_(optimizer)
-    optimizer.apply_gradients(skip=record.found_inf)
+    if optimizer.grads is not None:  # without gradients Paddle's step changes nothing
+      optimizer.apply_gradients(skip=record.found_inf)
     self._pending.append(record.found_inf)
 
   def step(self, optimizer: Any) -> None:

@@ -141,7 +141,8 @@ def update_fn(rule: loss_scale.ScaleRule) -> Callable[[ScalerState, Sequence[jax
 def times_scale(x: Any, scale: jax.Array) -> jax.Array:
   """``x * scale``, computed in float32 at least (half-precision inputs are promoted)."""
   x = jnp.asarray(x)
-  dtype = jnp.promote_types(x.dtype, jnp.float32)
+  wide = jnp.issubdtype(x.dtype, jnp.inexact) and jnp.finfo(x.dtype).bits >= 32
+  dtype = x.dtype if wide else jnp.dtype(jnp.float32)
   return x.astype(dtype) * scale.astype(dtype)
 
 

@@ -1,0 +1,148 @@
+"""Cost of the PyTorch-style loop (GradScaler + OptimWrapper) against the functional core.
+
+One training step of an MLP (about ``--hidden``^2 * 2 + ... parameters, a few
+million by default) with Adam and dynamic loss scaling, written four ways:
+
+- ``core``: the functional core, one jitted step with params and optimizer
+  state donated: ``jax.grad`` of ``jaxamp.scale_loss(loss)``, then
+  ``jaxamp.dynamic_loss_scale(adam).update`` and ``optax.apply_updates``;
+- ``torch_style``: ``opt.zero_grad(); opt.backward(scaler.scale(loss_fn), x, y);
+  scaler.step(opt); scaler.update()`` with ``jaxamp.GradScaler`` and
+  ``jaxamp.OptimWrapper``;
+- ``paddle_style``: the same with ``jaxamp.paddle.GradScaler`` and ``minimize``;
+- ``adam``: the core step without loss scaling, for scale.
+
+Each is printed as a ratio to ``core`` (target for ``torch_style``: 1.10x).
+
+Run: ``python benchmarks/bench_grad_scaler.py [--hidden N] [--batch B] [--rounds R]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jaxamp  # noqa: E402
+from benchmarks.common import device_summary, interleaved_medians, print_ratios  # noqa: E402
+
+INIT_SCALE = 2.0**16
+GROWTH_INTERVAL = 2000
+
+
+def make_mlp(d_in: int, hidden: int, d_out: int, depth: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  sizes = [d_in] + [hidden] * depth + [d_out]
+  params = {}
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    params[f"layer_{i}"] = {
+        "w": jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.float32),
+        "b": jnp.zeros((b,), jnp.float32),
+    }
+  return params
+
+
+def loss_fn(params, x, y):
+  h = x
+  layers = [params[k] for k in sorted(params)]
+  for layer in layers[:-1]:
+    h = jax.nn.relu(h @ layer["w"] + layer["b"])
+  out = h @ layers[-1]["w"] + layers[-1]["b"]
+  return jnp.mean((out - y) ** 2)
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.array, tree)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--hidden", type=int, default=1024)
+  parser.add_argument("--depth", type=int, default=3)
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--inner", type=int, default=5)
+  args = parser.parse_args()
+
+  d_in, d_out = 512, 64
+  params0 = make_mlp(d_in, args.hidden, d_out, args.depth)
+  n_params = sum(x.size for x in jax.tree.leaves(params0))
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((args.batch, d_in)), jnp.float32)
+  y = jnp.asarray(rng.standard_normal((args.batch, d_out)), jnp.float32)
+
+  # -- the functional core: one jitted, donated step.
+  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-4), init_scale=INIT_SCALE,
+                                 growth_interval=GROWTH_INTERVAL)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def core_step(params, state, x, y):
+    grads = jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p, x, y), state))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  plain_tx = optax.adam(1e-4)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def adam_step(params, state, x, y):
+    grads = jax.grad(loss_fn)(params, x, y)
+    updates, state = plain_tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  core = {"params": _copy(params0)}
+  core["state"] = tx.init(core["params"])
+  plain = {"params": _copy(params0)}
+  plain["state"] = plain_tx.init(plain["params"])
+
+  def run_core():
+    core["params"], core["state"] = core_step(core["params"], core["state"], x, y)
+    jax.block_until_ready(core["params"])
+
+  def run_adam():
+    plain["params"], plain["state"] = adam_step(plain["params"], plain["state"], x, y)
+    jax.block_until_ready(plain["params"])
+
+  # -- the PyTorch-style loop.
+  opt = jaxamp.OptimWrapper(optax.adam(1e-4), _copy(params0))
+  scaler = jaxamp.GradScaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+
+  def run_torch_style():
+    opt.zero_grad()
+    opt.backward(scaler.scale(loss_fn), x, y)
+    scaler.step(opt)
+    scaler.update()
+    jax.block_until_ready(opt.params)
+
+  # -- the Paddle-style loop.
+  popt = jaxamp.OptimWrapper(optax.adam(1e-4), _copy(params0))
+  pscaler = jaxamp.paddle.GradScaler(init_loss_scaling=INIT_SCALE,
+                                     incr_every_n_steps=GROWTH_INTERVAL)
+
+  def run_paddle_style():
+    popt.backward(pscaler.scale(loss_fn), x, y)
+    pscaler.minimize(popt)
+    popt.zero_grad()
+    jax.block_until_ready(popt.params)
+
+  print(f"MLP {d_in}-{args.hidden}x{args.depth}-{d_out}: {n_params / 1e6:.2f}M params, "
+        f"batch {args.batch}, adam; {device_summary()}")
+  medians = interleaved_medians(
+      {"core": run_core, "torch_style": run_torch_style, "paddle_style": run_paddle_style,
+       "adam": run_adam},
+      rounds=args.rounds, inner=args.inner)
+  for name, value in medians.items():
+    print(f"  {name:<13} {value * 1e3:8.2f} ms")
+  print_ratios(medians, "core", "GradScaler loops against the functional core",
+               targets={"torch_style": 1.10, "paddle_style": 1.10})
+
+
+if __name__ == "__main__":
+  main()
