@@ -1,0 +1,152 @@
+"""Cost of the mmengine-style loop (AmpOptimWrapper.update_params) against the functional core.
+
+One training step of an MLP (a few million parameters by default) with
+AdamW, clipping at norm 1, dynamic loss scaling and a low-precision compute
+dtype, written as:
+
+- ``core``: the functional core in one jitted step, params and optimizer
+  state donated: ``jax.grad`` of the mixed-precision loss times the scale,
+  then ``jaxamp.dynamic_loss_scale(optax.chain(jaxamp.clip_grad_norm(1.0),
+  optax.adamw(1e-3))).update`` and ``optax.apply_updates``;
+- ``amp_wrapper``: ``jaxamp.AmpOptimWrapper(...).update_params(loss_fn, x, y)``
+  with the same transformation (``accumulative_counts=1``);
+- ``amp_wrapper_acc4`` (per micro-batch): the wrapper with
+  ``accumulative_counts=4``, against ``core_acc4``, the functional core with
+  ``jaxamp.accumulate_gradients(..., 4)`` in one jitted donated step.
+
+Ratios are printed against ``core`` (and ``core_acc4``); the target for
+``amp_wrapper`` is 1.10x.
+
+Run: ``python benchmarks/bench_optim_wrapper.py [--hidden N] [--batch B] [--dtype bfloat16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jaxamp  # noqa: E402
+from benchmarks.common import device_summary, interleaved_medians, print_ratios  # noqa: E402
+
+
+def make_mlp(d_in: int, hidden: int, d_out: int, depth: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  sizes = [d_in] + [hidden] * depth + [d_out]
+  params = {}
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    params[f"layer_{i}"] = {
+        "kernel": jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.float32),
+        "bias": jnp.zeros((b,), jnp.float32),
+    }
+  return params
+
+
+def loss_fn(params, x, y):
+  h = x
+  layers = [params[k] for k in sorted(params)]
+  for layer in layers[:-1]:
+    h = jax.nn.relu(h @ layer["kernel"] + layer["bias"])
+  out = h @ layers[-1]["kernel"] + layers[-1]["bias"]
+  return jnp.mean(jnp.square(out - y).astype(jnp.float32))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--hidden", type=int, default=1024)
+  parser.add_argument("--depth", type=int, default=3)
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--inner", type=int, default=4)
+  args = parser.parse_args()
+
+  d_in, d_out = 512, 64
+  params0 = make_mlp(d_in, args.hidden, d_out, args.depth)
+  n_params = sum(x.size for x in jax.tree.leaves(params0))
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((args.batch, d_in)), jnp.float32)
+  y = jnp.asarray(rng.standard_normal((args.batch, d_out)), jnp.float32)
+  policy = jaxamp.Policy(jnp.float32, args.dtype, jnp.float32)
+  mp_loss = jaxamp.mixed_precision(loss_fn, policy)
+
+  def inner():
+    return optax.chain(jaxamp.clip_grad_norm(1.0), optax.adamw(1e-3))
+
+  def make_core(tx):
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, x, y):
+      scale = jaxamp.get_loss_scale(opt_state)
+      loss, grads = jax.value_and_grad(lambda p: mp_loss(p, x, y) * scale)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss / scale
+
+    return step
+
+  variants = {}
+
+  tx = jaxamp.dynamic_loss_scale(inner())
+  core_step = make_core(tx)
+  core = {"params": jax.tree.map(jnp.array, params0)}
+  core["state"] = tx.init(core["params"])
+
+  def run_core():
+    core["params"], core["state"], loss = core_step(core["params"], core["state"], x, y)
+    jax.block_until_ready((core["params"], loss))
+
+  variants["core"] = run_core
+
+  wrapper = jaxamp.AmpOptimWrapper(optax.adamw(1e-3), jax.tree.map(jnp.array, params0),
+                                   clip_grad=dict(max_norm=1.0), dtype=args.dtype)
+
+  def run_wrapper():
+    loss = wrapper.update_params(loss_fn, x, y)
+    jax.block_until_ready((wrapper.params, loss))
+
+  variants["amp_wrapper"] = run_wrapper
+
+  tx4 = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(inner()), 4)
+  core4_step = make_core(tx4)
+  core4 = {"params": jax.tree.map(jnp.array, params0)}
+  core4["state"] = tx4.init(core4["params"])
+
+  def run_core4():
+    core4["params"], core4["state"], loss = core4_step(core4["params"], core4["state"], x, y)
+    jax.block_until_ready((core4["params"], loss))
+
+  variants["core_acc4"] = run_core4
+
+  wrapper4 = jaxamp.AmpOptimWrapper(optax.adamw(1e-3), jax.tree.map(jnp.array, params0),
+                                    clip_grad=dict(max_norm=1.0), dtype=args.dtype,
+                                    accumulative_counts=4)
+
+  def run_wrapper4():
+    loss = wrapper4.update_params(loss_fn, x, y)
+    jax.block_until_ready((wrapper4.params, wrapper4.grads, loss))
+
+  variants["amp_wrapper_acc4"] = run_wrapper4
+
+  print(f"{device_summary()}; MLP with {n_params / 1e6:.2f}M parameters, batch {args.batch}, "
+        f"compute dtype {args.dtype}")
+  medians = interleaved_medians(variants, rounds=args.rounds, inner=args.inner)
+  for name, seconds in medians.items():
+    print(f"  {name:<18} {seconds * 1e3:8.2f} ms/step")
+  print_ratios({k: medians[k] for k in ("core", "amp_wrapper")}, "core",
+               "AmpOptimWrapper.update_params, accumulative_counts=1",
+               targets={"amp_wrapper": 1.10})
+  print_ratios({k: medians[k] for k in ("core_acc4", "amp_wrapper_acc4")}, "core_acc4",
+               "accumulative_counts=4, per micro-batch")
+  counts = dict(wrapper._trace_counts)
+  assert all(v == 1 for v in counts.values()), counts
+
+
+if __name__ == "__main__":
+  main()
