@@ -28,6 +28,9 @@ from jaxamp._src.numerics import all_finite
 from jaxamp._src.policy import Policy
 from jaxamp._src.policy import get_policy
 from jaxamp._src.policy import mixed_precision
+from jaxamp._src.train_state import TrainState
+from jaxamp._src.train_state import skipped_steps
+from jaxamp._src.train_state import update_applied
 
 __version__ = "0.1.0"
 
@@ -42,6 +45,7 @@ __all__ = (
     "OptimWrapper",
     "OptimWrapperDict",
     "Policy",
+    "TrainState",
     "accumulate_gradients",
     "all_finite",
     "build_optim_wrapper",
@@ -58,6 +62,8 @@ __all__ = (
     "paddle",
     "scale_loss",
     "set_loss_scale",
+    "skipped_steps",
     "static_loss_scale",
     "total_grad_norm",
+    "update_applied",
 )

@@ -1,0 +1,87 @@
+"""Flax NNX: an ``nnx.Optimizer`` whose step counter ignores skipped steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxamp._src import train_state
+
+
+class Optimizer(nnx.Optimizer):
+  """``flax.nnx.Optimizer`` whose ``step`` counts only the updates actually applied.
+
+  A drop-in replacement: same constructor, same :meth:`update`. With a
+  loss-scaled ``tx`` (built with ``jaxamp.dynamic_loss_scale``, optionally
+  inside ``jaxamp.accumulate_gradients``) ``nnx.Optimizer.update`` advances
+  ``step`` on every call, also when the step was skipped for non-finite
+  gradients and on the micro-steps that only accumulate. The parameters and
+  the inner optax state are right either way (jaxamp returns zero updates
+  and keeps the inner state); only the counter is off. This class advances
+  it only when :func:`jaxamp.update_applied` says the parameters changed, so
+  it equals the inner optimizer's own step count. It also offers
+  :attr:`loss_scale`, :meth:`scale_loss` and :attr:`skipped_steps` as plain
+  arrays.
+
+  With ``nnx.Optimizer`` itself the same counter is obtained by hand::
+
+    before = nnx.as_pure(optimizer.opt_state)
+    optimizer.update(model, grads)
+    applied = jaxamp.update_applied(before, nnx.as_pure(optimizer.opt_state))
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> from flax import nnx
+    >>> import jaxamp.nnx
+    >>> model = nnx.Linear(2, 1, dtype=jnp.float16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**8)
+    >>> optimizer = jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param)
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, x, y):
+    ...   def loss_fn(model):
+    ...     loss = jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
+    ...     return optimizer.scale_loss(loss)
+    ...   optimizer.update(model, nnx.grad(loss_fn)(model))
+    >>> x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
+    >>> train_step(model, optimizer, x, y)
+    >>> train_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)  # overflow: skipped
+    >>> optimizer.step[...], optimizer.loss_scale, optimizer.skipped_steps
+    (Array(1, dtype=uint32), Array(128., dtype=float32), Array(1, dtype=int32))
+  """
+
+  def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
+    """Updates the parameters and optimizer state; ``step`` advances only if applied.
+
+    Args:
+      model: the module being optimized.
+      grads: the gradients of the *scaled* loss (see :meth:`scale_loss`).
+      **kwargs: extra arguments for ``tx.update``.
+
+    Returns:
+      The updates that were applied (zeros for a skipped step).
+    """
+    step = self.step[...]
+    before = nnx.as_pure(self.opt_state)
+    updates = super().update(model, grads, **kwargs)
+    applied = train_state.update_applied(before, nnx.as_pure(self.opt_state))
+    top = jnp.asarray(jnp.iinfo(step.dtype).max, step.dtype)
+    advanced = jnp.where(step < top, step + jnp.ones([], step.dtype), step)
+    self.step[...] = jnp.where(applied, advanced, step).astype(step.dtype)
+    return updates
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    """The current loss scale (float32 scalar); 1.0 without loss scaling."""
+    return train_state.loss_scale_or_one(nnx.as_pure(self.opt_state))
+
+  def scale_loss(self, loss: Any) -> jax.Array:
+    """Returns ``loss * loss_scale``, promoting a half-precision loss to float32."""
+    return train_state.multiply_by_scale(loss, self.loss_scale)
+
+  @property
+  def skipped_steps(self) -> jax.Array:
+    """Optimizer steps skipped so far for non-finite gradients."""
+    return train_state.skipped_steps(nnx.as_pure(self.opt_state))

@@ -1,0 +1,230 @@
+"""A Flax-style train state that carries the loss-scale state and counts only applied steps."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxamp._src import accumulation
+from jaxamp._src import loss_scale
+from jaxamp._src import numerics
+
+
+def _states(opt_state: optax.OptState, cls: type) -> list[Any]:
+  """Every node of type ``cls`` inside ``opt_state``, outermost first."""
+  return [n for n in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, cls))
+          if isinstance(n, cls)]
+
+
+def skipped_steps(opt_state: optax.OptState) -> jax.Array:
+  """The number of optimizer steps skipped so far for non-finite gradients.
+
+  Counts the steps skipped by :func:`dynamic_loss_scale` and
+  :func:`static_loss_scale` (``LossScaleState.skipped_steps``) plus the
+  windows dropped by :func:`accumulate_gradients` when it holds no loss scaler
+  (``AccumulationState.skipped_windows``), wherever they sit in ``opt_state``.
+
+  Args:
+    opt_state: an optax state.
+
+  Returns:
+    An int32 scalar array (0 when ``opt_state`` can skip nothing).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 2)
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> for g in [1.0, jnp.nan, 1.0, 1.0]:
+    ...   _, state = tx.update({'w': jnp.full(2, g)}, state)
+    >>> jaxamp.skipped_steps(state)
+    Array(1, dtype=int32)
+  """
+  total = jnp.zeros([], jnp.int32)
+  for node in _states(opt_state, loss_scale.LossScaleState):
+    total = total + jnp.asarray(node.skipped_steps, jnp.int32)
+  for node in _states(opt_state, accumulation.AccumulationState):
+    total = total + jnp.asarray(node.skipped_windows, jnp.int32)
+  return total
+
+
+def update_applied(before: optax.OptState, after: optax.OptState) -> jax.Array:
+  """Whether the ``tx.update`` that turned ``before`` into ``after`` updated the parameters.
+
+  False for a step skipped because the gradients were not finite (see
+  :func:`skipped_steps`) and for a micro-step of :func:`accumulate_gradients`
+  that did not close its window; True otherwise. This is what a step counter
+  should count (:class:`TrainState` and ``jaxamp.nnx.Optimizer`` do), in a
+  hand-written loop as well::
+
+    updates, new_state = tx.update(grads, opt_state, params)
+    step = jnp.where(jaxamp.update_applied(opt_state, new_state), step + 1, step)
+
+  Args:
+    before: the optimizer state passed to ``tx.update``.
+    after: the optimizer state it returned.
+
+  Returns:
+    A ``bool`` scalar array (no host sync).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> _, new_state = tx.update({'w': jnp.array([1.0, jnp.nan])}, state)
+    >>> jaxamp.update_applied(state, new_state)
+    Array(False, dtype=bool)
+  """
+  accumulators = _states(after, accumulation.AccumulationState)
+  closed = jnp.asarray(accumulators[0].updated, jnp.bool_) if accumulators else jnp.array(True)
+  not_skipped = skipped_steps(after) == skipped_steps(before)
+  return jnp.logical_and(closed, not_skipped)
+
+
+def loss_scale_or_one(opt_state: optax.OptState) -> jax.Array:
+  """The loss scale inside ``opt_state`` (float32), or 1.0 when it holds none."""
+  scale_states = _states(opt_state, loss_scale.LossScaleState)
+  if not scale_states:
+    return jnp.ones([], jnp.float32)
+  return jnp.asarray(scale_states[0].scale, jnp.float32)
+
+
+def multiply_by_scale(loss: Any, scale: jax.Array) -> jax.Array:
+  """``loss * scale``, with a half-precision loss promoted to float32 first."""
+  loss = jnp.asarray(loss)
+  wide = jnp.issubdtype(loss.dtype, jnp.floating) and jnp.finfo(loss.dtype).bits >= 32
+  loss = loss if wide else loss.astype(jnp.float32)
+  return loss * scale.astype(loss.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """A train state for Flax Linen (or any functional model) with loss scaling built in.
+
+  It has the fields and methods of ``flax.training.train_state.TrainState``
+  (``step``, ``apply_fn``, ``params``, ``tx``, ``opt_state``, ``create``,
+  ``apply_gradients``, ``replace``) without importing flax, and differs in one
+  respect: ``step`` counts the parameter updates actually applied. A step
+  skipped because the (loss-scaled) gradients were not finite, and a
+  non-emitting micro-step of :func:`accumulate_gradients`, leave it unchanged,
+  so it always equals the optimizer's own step count and drives schedules,
+  logging and checkpoint names correctly. (Flax's ``DynamicScale`` recipe
+  selects the old params and optimizer state on a bad step, but its ``step``
+  still advances.)
+
+  The loss-scale state lives inside ``opt_state``: build ``tx`` with
+  :func:`dynamic_loss_scale` (optionally inside :func:`accumulate_gradients`),
+  multiply the loss with :meth:`scale_loss` inside the differentiated function
+  and pass the resulting gradients to :meth:`apply_gradients`, which unscales,
+  checks, skips or steps. Without a loss-scale state in ``tx`` the scale is
+  1.0 and nothing is skipped, so the same step function runs with and without
+  loss scaling.
+
+  ``apply_fn`` and ``tx`` are static (part of the tree structure); the other
+  fields are pytree data. To add fields (``batch_stats`` for BatchNorm, say),
+  subclass and register the subclass the same way::
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass(frozen=True)
+    class State(jaxamp.TrainState):
+      batch_stats: Any
+
+  Attributes:
+    step: int32 scalar, the number of applied updates (saturates).
+    apply_fn: the model's apply function, e.g. ``module.apply`` (static).
+    params: the (float32 master) parameters.
+    tx: the optax transformation (static).
+    opt_state: its state, holding the loss-scale state.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxamp
+    >>> apply_fn = lambda params, x: x @ params['w'].astype(x.dtype)
+    >>> state = jaxamp.TrainState.create(
+    ...     apply_fn=apply_fn, params={'w': jnp.ones((2, 1))},
+    ...     tx=jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**8))
+    >>> @jax.jit
+    ... def train_step(state, x, y):
+    ...   def loss_fn(params):
+    ...     pred = state.apply_fn(params, x.astype(jnp.float16))
+    ...     return state.scale_loss(jnp.mean((pred.astype(jnp.float32) - y) ** 2))
+    ...   grads = jax.grad(loss_fn)(state.params)
+    ...   return state.apply_gradients(grads=grads)
+    >>> x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
+    >>> state = train_step(state, x, y)
+    >>> state.step, state.loss_scale
+    (Array(1, dtype=int32), Array(256., dtype=float32))
+    >>> state = train_step(state, x.at[0, 0].set(jnp.inf), y)  # overflow: skipped
+    >>> state.step, state.loss_scale, state.skipped_steps
+    (Array(1, dtype=int32), Array(128., dtype=float32), Array(1, dtype=int32))
+  """
+
+  step: jax.Array
+  apply_fn: Callable[..., Any] = dataclasses.field(metadata={"static": True})
+  params: Any
+  tx: optax.GradientTransformation = dataclasses.field(metadata={"static": True})
+  opt_state: optax.OptState
+
+  @classmethod
+  def create(cls, *, apply_fn: Callable[..., Any], params: Any,
+             tx: optax.GradientTransformation, **kwargs: Any) -> "TrainState":
+    """Creates the state with ``step = 0`` and ``opt_state = tx.init(params)``.
+
+    Args:
+      apply_fn: the model's apply function.
+      params: the (float32) parameters; a Linen ``{'params': ...}`` dict is
+        not unwrapped, pass ``variables['params']``.
+      tx: the optax transformation.
+      **kwargs: values of the fields a subclass adds.
+
+    Returns:
+      The new state.
+
+    Raises:
+      TypeError: when ``tx`` is not an optax transformation.
+    """
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+      raise TypeError(f"tx must be an optax GradientTransformation, got {tx!r}")
+    return cls(step=jnp.zeros([], jnp.int32), apply_fn=apply_fn, params=params, tx=tx,
+               opt_state=tx.init(params), **kwargs)
+
+  def apply_gradients(self, *, grads: Any, **kwargs: Any) -> "TrainState":
+    """Runs ``tx.update`` and applies the updates; ``step`` advances only if applied.
+
+    Args:
+      grads: the gradients of the *scaled* loss (see :meth:`scale_loss`),
+        with the structure and float32 dtypes of ``params``.
+      **kwargs: other fields to replace (e.g. ``batch_stats``); they are
+        replaced whether or not the step was applied, as PyTorch's BatchNorm
+        statistics are updated by the forward pass of a skipped step.
+
+    Returns:
+      The new state.
+    """
+    updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+    params = optax.apply_updates(self.params, updates)
+    applied = update_applied(self.opt_state, opt_state)
+    step = jnp.where(applied, numerics.safe_increment(self.step), self.step)
+    return self.replace(step=step.astype(self.step.dtype), params=params, opt_state=opt_state,
+                        **kwargs)
+
+  def replace(self, **changes: Any) -> "TrainState":
+    """Returns a copy with the given fields replaced."""
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    """The current loss scale (float32 scalar); 1.0 without loss scaling."""
+    return loss_scale_or_one(self.opt_state)
+
+  def scale_loss(self, loss: Any) -> jax.Array:
+    """Returns ``loss * loss_scale``, promoting a half-precision loss to float32."""
+    return multiply_by_scale(loss, self.loss_scale)
+
+  @property
+  def skipped_steps(self) -> jax.Array:
+    """Optimizer steps skipped so far for non-finite gradients (see :func:`skipped_steps`)."""
+    return skipped_steps(self.opt_state)
