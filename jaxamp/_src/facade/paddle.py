@@ -98,12 +98,18 @@ class GradScaler:
     TypeError: for arguments of the wrong type.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxamp
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> opt = jaxamp.OptimWrapper(optax.sgd(0.5), {'w': jnp.ones(2)})
     >>> scaler = jaxamp.paddle.GradScaler(init_loss_scaling=1024)
+    >>> loss_fn = lambda params, x: jnp.sum(params['w'] * x)
+    >>> for x in (jnp.array([jnp.inf, 1.0]), jnp.array([1.0, 2.0]), jnp.array([jnp.nan, 1.0])):
+    ...   loss = opt.backward(scaler.scale(loss_fn), x)
+    ...   scaler.minimize(opt)
+    ...   opt.zero_grad()
+    >>> opt.params['w'], scaler.state_dict()['scale']  # one good step; bad steps not consecutive
+    (Array([0.5, 0. ], dtype=float32), array([1024.], dtype=float32))
     >>> scaler.scale(jnp.float32(0.25))
     Array(256., dtype=float32)
-    >>> scaler.get_incr_every_n_steps(), scaler.get_decr_every_n_nan_or_inf()
-    (1000, 2)
   """
 
   def __init__(self, enable: bool = True, init_loss_scaling: float = 32768.0,

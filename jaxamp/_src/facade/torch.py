@@ -326,12 +326,21 @@ class GradScaler:
     TypeError: for arguments of the wrong type.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxamp
-    >>> scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=2)
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> opt = jaxamp.OptimWrapper(optax.sgd(0.5), {'w': jnp.ones(2)})
+    >>> scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=1)
+    >>> loss_fn = lambda params, x: jnp.sum(params['w'] * x)
+    >>> for x in (jnp.array([1.0, 2.0]), jnp.array([jnp.inf, 1.0])):  # the second overflows
+    ...   opt.zero_grad()
+    ...   loss = opt.backward(scaler.scale(loss_fn), x)  # scaled gradients
+    ...   scaler.step(opt)                               # unscaled, applied or skipped
+    ...   scaler.update()
+    >>> opt.params['w'], scaler.get_scale()
+    (Array([0.5, 0. ], dtype=float32), 8.0)
+    >>> scaler.state_dict()
+    {'scale': 8.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 1, '_growth_tracker': 0}
     >>> scaler.scale(jnp.float32(0.5))
     Array(4., dtype=float32)
-    >>> scaler.state_dict()
-    {'scale': 8.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 2, '_growth_tracker': 0}
   """
 
   def __init__(self, device: str = "cpu", init_scale: float = 2.0**16,
