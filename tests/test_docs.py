@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
     reason="the docs extra (mkdocs-material, mkdocstrings[python]) is not installed")
 
 # Modules whose whole ``__all__`` must appear in the API reference.
-PUBLIC_MODULES = ("jaxamp", "jaxamp.paddle")
+PUBLIC_MODULES = ("jaxamp", "jaxamp.paddle", "jaxamp.nnx")
 
 # Pages whose ``python`` code blocks are run, in order, in one namespace per page.
 RUNNABLE_PAGES = ("getting-started.md", "concepts.md")
@@ -71,6 +71,13 @@ def test_every_public_name_is_in_the_api_reference(site):
     missing += [f"{module_name}.{name}" for name in module.__all__
                 if f"{module_name}.{name}" not in ids]
   assert not missing, f"public names missing from docs/api: {missing}"
+
+
+def test_api_index_lists_every_public_name():
+  index = (ROOT / "docs" / "api" / "index.md").read_text(encoding="utf-8")
+  missing = [name for name in jaxamp.__all__
+             if f"`{name}`" not in index and f"`jaxamp.{name}." not in index]
+  assert not missing, f"docs/api/index.md does not list {missing}"
 
 
 def test_broken_reference_fails_the_strict_build(tmp_path):
