@@ -651,6 +651,34 @@ def test_optim_wrapper_clips_after_the_scaler_unscales():
   assert scaler.get_scale() == 2.0**13  # grew at 1, backed off at 3, grew at 5
 
 
+def _forbid_host_reads(monkeypatch):
+  """Makes every read of a device array's value on the host (float(), bool(), np.asarray) fail."""
+  from jax._src import array as array_lib
+
+  def fail(self):
+    raise AssertionError("host sync")
+
+  monkeypatch.setattr(array_lib.ArrayImpl, "_value", property(fail))
+
+
+def test_the_loop_never_reads_device_values(monkeypatch):
+  opt = _optim_wrapper(W0, optax.sgd(0.1, momentum=0.9))
+  scaler = jaxamp.GradScaler(init_scale=2.0**8, growth_interval=1)
+  opt.backward(scaler.scale(_loss), X)  # compile outside the check
+  scaler.step(opt)
+  scaler.update()
+  _forbid_host_reads(monkeypatch)
+  for i, b in enumerate(BATCHES):
+    opt.zero_grad()
+    opt.backward(scaler.scale(_inf_loss if i == 2 else _loss), b)
+    if i % 2:
+      scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update(jnp.float32(64.0) if i == 4 else None)
+  with pytest.raises(AssertionError, match="host sync"):
+    scaler.get_scale()  # an API that returns a Python value does sync
+
+
 # ---------------------------------------------------------------------------------------------
 # Against torch.amp.GradScaler itself, when PyTorch is installed (the 'reference' extra).
 

@@ -282,6 +282,27 @@ def test_loop_compiles_once():
   assert (update._cache_size(), facade._unscale_and_check._cache_size()) == sizes
 
 
+def test_the_loop_never_reads_device_values(monkeypatch):
+  from tests.test_grad_scaler import _forbid_host_reads
+  opt = jaxamp.OptimWrapper(SGD, W0)
+  scaler = jaxamp.paddle.GradScaler(init_loss_scaling=2.0**8, incr_every_n_steps=1)
+  loss = lambda p, x: jnp.sum(p["w"] * x)
+  opt.backward(scaler.scale(loss), jnp.ones(3))  # compile outside the check
+  scaler.minimize(opt)
+  _forbid_host_reads(monkeypatch)
+  for x in (jnp.ones(3), jnp.array([np.inf, 1.0, 1.0]), jnp.ones(3)):
+    opt.zero_grad()
+    opt.backward(scaler.scale(loss), x)
+    scaler.minimize(opt)
+    opt.zero_grad()
+    opt.backward(scaler.scale(loss), x)
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+  with pytest.raises(AssertionError, match="host sync"):
+    scaler.state_dict()
+
+
 # ---------------------------------------------------------------------------------------------
 # Against paddle.amp.GradScaler itself, when Paddle is installed (the 'reference' extra).
 
