@@ -438,18 +438,61 @@ def _check_params(params: Any) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-def _shardings(params: Any) -> Optional[Any]:
-  """The params' shardings when they span several devices (else None: nothing to constrain)."""
-  shardings = [getattr(p, "sharding", None) for p in jax.tree.leaves(params)]
-  if all(s is None or isinstance(s, jax.sharding.SingleDeviceSharding) for s in shardings):
+def _pinned(sharding: Any) -> Optional[Any]:
+  """The sharding a params-shaped output must be pinned to, or None (single device)."""
+  if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
     return None
-  return jax.tree.map(lambda p: p.sharding, params)
+  return sharding
 
 
-def _constrain(tree: Any, shardings: Optional[Any]) -> Any:
+def _explicit(sharding: Any) -> bool:
+  axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+  return any(t == jax.sharding.AxisType.Explicit for t in axis_types)
+
+
+def _replicate_scalars(state: Any, params: Any) -> Any:
+  """Puts the single-device scalars of ``state`` on the params' mesh, replicated.
+
+  That is where the jitted steps return them; a state fresh from ``init``
+  would otherwise bring other shardings to the second step, and compile again.
+  """
+  mesh = next((p.sharding.mesh for p in jax.tree.leaves(params)
+               if isinstance(getattr(p, "sharding", None), jax.sharding.NamedSharding)), None)
+  if mesh is None:
+    return state
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def put(x):
+    if (isinstance(x, jax.Array) and x.ndim == 0
+        and isinstance(x.sharding, jax.sharding.SingleDeviceSharding)):
+      return jax.device_put(x, replicated)
+    return x
+
+  return jax.tree.map(put, state)
+
+
+def _shardings(params: Any) -> Optional[Tuple[Any, ...]]:
+  """Per params leaf, the sharding outputs must be pinned to (None: nothing to pin)."""
+  shardings = tuple(_pinned(getattr(p, "sharding", None)) for p in jax.tree.leaves(params))
+  return shardings if any(s is not None for s in shardings) else None
+
+
+def _pin(x: jax.Array, sharding: Any) -> jax.Array:
+  if sharding is None:
+    return x
+  if _explicit(sharding):
+    # Explicit axes: the sharding is part of the type (gradients of a contraction over a
+    # sharded batch come back replicated, say); move it back to the parameter's.
+    return jax.sharding.reshard(x, sharding)
+  return lax.with_sharding_constraint(x, sharding)
+
+
+def _constrain(tree: Any, shardings: Optional[Tuple[Any, ...]]) -> Any:
+  """Pins the leaves of ``tree`` (traced, params-shaped) to the params' shardings."""
   if shardings is None:
     return tree
-  return jax.tree.map(lax.with_sharding_constraint, tree, shardings)
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, [_pin(x, s) for x, s in zip(leaves, shardings)])
 
 
 def _has_batch_norm(model: Any) -> bool:
@@ -592,7 +635,7 @@ class OptimWrapper:
     self._params = _check_params(params)
     self._shardings = _shardings(self._params)
     self._tx = self._build_transformation()
-    self._state = self._tx.init(self._params)
+    self._state = self._init_state(self._params)
     self._grads: Optional[Any] = None
     self._last_grad_norm: Optional[jax.Array] = None
     self._inner_count = 0
@@ -605,6 +648,9 @@ class OptimWrapper:
     self._defaults: Optional[dict] = None
 
   # -- the transformation and its state ---------------------------------------------------------
+
+  def _init_state(self, params: Any) -> Any:
+    return _replicate_scalars(self._tx.init(params), params)
 
   def _inner_transformation(self) -> optax.GradientTransformation:
     if self._clip is None:
@@ -698,6 +744,7 @@ class OptimWrapper:
 
   def _update(self, params, state, grads, skip):
     """Traced: one optimizer step. Returns ``(params, state, grad_norm)``."""
+    grads = _constrain(grads, self._shardings)
     updates, new_state = self._tx.update(grads, state, params)
     new_params = optax.apply_updates(params, updates)
     norm = None
@@ -1436,6 +1483,7 @@ class AmpOptimWrapper(OptimWrapper):
   def _update(self, params, state, grads, skip):
     if not self._scaling:
       return super()._update(params, state, grads, skip)
+    grads = _constrain(grads, self._shardings)
     updates, new_state = self._tx.update(grads, state, params)
     new_params = optax.apply_updates(params, updates)
     # A skipped step leaves the params bit-identical (even -0.0, which + 0 would turn to 0.0).
@@ -1626,7 +1674,7 @@ class OptimWrapperDict(OptimWrapper):
     ...                            {'w': jnp.zeros(3)})
     >>> wrappers = jaxamp.OptimWrapperDict(gen=gen, disc=disc)
     >>> wrappers.get_lr()
-    {'gen.lr': [0.0010000000474974513], 'disc.lr': [0.5]}
+    {'gen.lr': [0.001], 'disc.lr': [0.5]}
     >>> sorted(wrappers), 'gen' in wrappers, len(wrappers)
     (['disc', 'gen'], True, 2)
   """
