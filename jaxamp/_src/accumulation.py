@@ -23,6 +23,7 @@ from jax import lax
 
 from jaxamp._src import loss_scale as loss_scale_lib
 from jaxamp._src import numerics
+from jaxamp._src import sharding
 
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
@@ -150,12 +151,12 @@ def _check_accumulator_dtype(dtype: Any) -> Optional[jnp.dtype]:
   return out
 
 
-def _zero_update(g: jax.Array) -> jax.Array:
+def _zero_update(g: jax.Array, varying: frozenset) -> jax.Array:
   # -0.0, not 0.0: p + (-0.0) is p bit for bit, a -0.0 parameter included.
+  # Sharded as g is and, inside shard_map, typed like the real updates.
   g = jnp.asarray(g)
-  if jnp.issubdtype(g.dtype, jnp.inexact):
-    return jnp.full(g.shape, -0.0, g.dtype)
-  return jnp.zeros_like(g)
+  value = -0.0 if jnp.issubdtype(g.dtype, jnp.inexact) else 0
+  return sharding.full_like_type(g, value, varying=varying)
 
 
 def _past_end(flag: np.ndarray, micro_step: np.ndarray, total_steps: int) -> None:
@@ -313,7 +314,8 @@ def accumulate_gradients(
 
   def init_fn(params):
     if accumulates:
-      acc = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), leaf_acc_dtype(p)), params)
+      # zeros_like: the accumulator is sharded like the parameters.
+      acc = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=leaf_acc_dtype(p)), params)
     else:
       acc = optax.EmptyState()
     return AccumulationState(
@@ -331,8 +333,16 @@ def accumulate_gradients(
     scaler_inside = any(_is_scale_state(n) for n in
                         jax.tree.leaves(state.inner_state, is_leaf=_is_scale_state))
 
+    # Inside shard_map, the axes the updates vary over: those of everything they
+    # are computed from, except axis_name, over which the gradients are reduced.
+    reduced = frozenset(sharding.axis_tuple(axis_name))
+    array_args = [x for x in jax.tree.leaves(extra_args) if isinstance(x, jax.Array)]
+    update_axes = ((sharding.tree_varying_axes((grads, state.acc_grads)) - reduced)
+                   | sharding.tree_varying_axes((params, state._replace(acc_grads=()),
+                                                 array_args)))
+
     def zeros_like_grads():
-      return jax.tree.map(_zero_update, grads)
+      return jax.tree.map(lambda g: _zero_update(g, update_axes), grads)
 
     def divisor(dtype):
       if total_steps is None or total_steps % k == 0:
@@ -366,7 +376,9 @@ def accumulate_gradients(
 
       def step(mean, inner_state, params):
         updates, new_inner = inner.update(mean, inner_state, params, **extra_args)
-        updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), updates, grads)
+        updates = jax.tree.map(
+            lambda u, g: sharding.mark_varying(u.astype(jnp.result_type(g)), update_axes),
+            updates, grads)
         new_inner = jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)),
                                  new_inner, inner_state)
         return updates, new_inner, jnp.zeros([], jnp.bool_)

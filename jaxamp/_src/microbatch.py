@@ -13,6 +13,7 @@ from jax import lax
 
 from jaxamp._src import loss_scale as loss_scale_lib
 from jaxamp._src import numerics
+from jaxamp._src import sharding
 
 
 def _check_accumulator_dtype(dtype: Any) -> jnp.dtype:
@@ -173,6 +174,12 @@ def microbatch_value_and_grad(
          **kwargs: Any) -> Any:
     scale = _scale_value(loss_scale)
     micro = _split(batch, num)
+    tracked = sharding.tracked_axes(axis_name)
+    if tracked:
+      # Differentiate this device's copy of the params: inside shard_map the
+      # gradients of replicated params would otherwise be summed over the
+      # devices on every micro-batch, instead of averaged once below.
+      params = jax.tree.map(lambda p: sharding.mark_varying(p, frozenset(tracked)), params)
 
     def objective(p, mb):
       out = loss_fn(p, mb, *args, **kwargs)
@@ -191,8 +198,9 @@ def microbatch_value_and_grad(
     def acc_dtype_of(x):
       return _wider(x.dtype, acc_dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x.dtype
 
-    acc0 = jax.tree.map(lambda g: jnp.zeros(g.shape, acc_dtype_of(g)), grads_shape)
-    loss0 = jnp.zeros([], acc_dtype_of(loss_shape))
+    # Typed (sharding, varying axes) like what the scan adds into them.
+    acc0 = jax.tree.map(lambda g: sharding.full_like_type(g, 0, acc_dtype_of(g)), grads_shape)
+    loss0 = sharding.full_like_type(loss_shape, 0, acc_dtype_of(loss_shape))
 
     def body(carry, mb):
       acc, loss_sum = carry
