@@ -204,10 +204,12 @@ def accumulate_gradients(
   inner state unchanged, records itself in ``micro_step`` (which then
   exceeds ``total_steps``) and raises a ``RuntimeError`` from a host
   callback that only runs in that case (under ``jit`` it surfaces as a
-  ``jax.errors.JaxRuntimeError`` carrying the message). It never divides by
-  zero. A resumed run continues mmengine's counting when ``micro_step`` is
-  set to the number of micro-steps done and ``mini_step`` to
-  ``micro_step % k``.
+  ``jax.errors.JaxRuntimeError`` carrying the message, when the result is
+  awaited). It never divides by zero. Because of that callback, a step
+  built with ``total_steps`` cannot be serialized with ``jax.export``; one
+  built without it can. A resumed run continues mmengine's counting when
+  ``micro_step`` is set to the number of micro-steps done and ``mini_step``
+  to ``micro_step % k``.
 
   **Non-finite windows.** When the accumulated gradients of a window hold an
   inf or a nan, the whole window is dropped: zero updates, inner state
