@@ -553,3 +553,20 @@ def test_optim_wrapper_dict_state_dict_is_all_or_nothing():
   wrappers.load_state_dict(saved)
   jax.tree.map(np.testing.assert_array_equal, gen.opt_state, gen_state)
   jax.tree.map(np.testing.assert_array_equal, disc.opt_state, disc_state)
+
+
+def test_scale_loss_of_a_function_and_zero_grad_to_zeros():
+  wrapper = jaxamp.OptimWrapper(optax.sgd(1.0), w_params(), accumulative_counts=4)
+  np.testing.assert_allclose(wrapper.scale_loss(jnp.float32(2.0)), 0.5)
+  divided = wrapper.scale_loss(loss_fn)
+  assert float(divided(w_params(), X)) == 7.0 / 4
+  for _ in range(3):
+    wrapper.backward(wrapper.scale_loss(loss_fn), X)
+  assert wrapper._trace_counts == {"grad": 1, "grad_acc": 1}  # the factor is a traced child
+  np.testing.assert_allclose(wrapper.grads["w"], 3 * np.asarray(X) / 4)
+  wrapper.zero_grad(set_to_none=False)
+  np.testing.assert_array_equal(wrapper.grads["w"], [0.0, 0.0])
+  wrapper.update_params(loss_fn, X, zero_kwargs=dict(set_to_none=False))
+  assert wrapper.inner_count == 4
+  np.testing.assert_array_equal(wrapper.grads["w"], [0.0, 0.0])
+  np.testing.assert_allclose(wrapper.params["w"], 1 - np.asarray(X) / 4)

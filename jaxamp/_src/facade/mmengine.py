@@ -976,11 +976,8 @@ class OptimWrapper:
     self.apply_gradients()
 
   def zero_grad(self, set_to_none: bool = True) -> None:
-    """Clears :attr:`grads` (``None``; zeros with ``set_to_none=False``)."""
-    if set_to_none or self._grads is None:
-      self._grads = None
-    else:
-      self._grads = jax.tree.map(jnp.zeros_like, self._grads)
+    """Clears :attr:`grads`: ``None``, or zeros like the params with ``set_to_none=False``."""
+    self._grads = None if set_to_none else jax.tree.map(jnp.zeros_like, self._params)
 
   def _can_fuse(self) -> bool:
     cls = type(self)
@@ -1107,7 +1104,7 @@ class OptimWrapper:
 
     For a wrapper built by :func:`build_optim_wrapper`: the optimizer config
     with PyTorch's defaults filled in. Otherwise the first group's injected
-    hyperparameters at construction, or ``{}`` when nothing is injected.
+    hyperparameters when first asked for, or ``{}`` when nothing is injected.
     """
     if self._defaults is None:
       group = self.param_groups[0]
