@@ -125,24 +125,36 @@ def test_jit_sharded_state_follows_params_and_matches_one_device(layout, referen
     assert leaf.sharding.is_fully_replicated
 
 
-def test_jit_fsdp_step_gathers_nothing_it_did_not_gather_without_jaxamp():
-  mesh = jax.make_mesh((8,), ("data",))
-  spec = {"w": P("data"), "b": P()}
-  plain = optax.sgd(0.05, momentum=0.9)
+def _payload(found, op):
+  """The arrays carried by the ``op`` collectives, as a sorted list of shapes (layouts dropped)."""
+  return sorted(a for o, shape, _ in found if o == op for a in re.findall(r"\w+\[[^\]]*\]", shape))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_jit_sharded_step_communicates_only_what_the_plain_step_does(layout):
+  """Against plain momentum SGD: the same gathers, and at most scalars more all-reduced."""
+  spec, shape, names, batch_spec = LAYOUTS[layout]
+  mesh = jax.make_mesh(shape, names)
+  found = {}
   with jax.set_mesh(mesh):
     params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), _params(), spec)
-    x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in _micro_batches()[0])
-    found = {}
+    x, y = (jax.device_put(a, NamedSharding(mesh, batch_spec)) for a in _micro_batches()[0])
+    plain = optax.sgd(0.05, momentum=0.9)
     for name, tx, scaled in (("plain", plain, False), ("jaxamp", _tx(), True)):
       def step(p, s, x, y, tx=tx, scaled=scaled):
         g = _grads(p, s, x, y) if scaled else jax.grad(_loss)(p, x, y)
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
-      hlo = jax.jit(step).lower(params, tx.init(params), x, y).compile().as_text()
-      found[name] = hlo_collectives(hlo)
-  gathers = lambda f: sorted(shape for op, shape, _ in f if op == "all-gather")
-  assert gathers(found["jaxamp"]) == gathers(found["plain"])
-  assert not any(op == "all-to-all" for op, _, _ in found["jaxamp"])
+      found[name] = hlo_collectives(jax.jit(step).lower(params, tx.init(params), x, y)
+                                    .compile().as_text())
+  assert _payload(found["jaxamp"], "all-gather") == _payload(found["plain"], "all-gather")
+  assert {op for op, _, _ in found["jaxamp"]} <= {"all-reduce", "all-gather"}
+  extra = list(_payload(found["jaxamp"], "all-reduce"))
+  for a in _payload(found["plain"], "all-reduce"):
+    extra.remove(a)  # every gradient all-reduce of the plain step is still there
+  assert all(a.endswith("[]") for a in extra), extra  # plus the finite check's scalars
+  if layout == "data_parallel":
+    assert not extra  # the check reads the already all-reduced gradients
 
 
 # ----------------------------------------------------------------------------- no_sync
