@@ -10,7 +10,6 @@ the parameters into groups over their pytree paths with ``optax.partition``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import re
 from collections.abc import Mapping
