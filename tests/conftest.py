@@ -11,9 +11,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # tests/multihost/ holds scripts that tests start as processes of their own. The
 # 8-device tests need XLA_FLAGS set before jax starts: tests/test_multidevice.py runs
 # them in a child process that sets JAXAMP_MULTIDEVICE; the ordinary run skips them.
-collect_ignore_glob = ["multihost/*"]
+collect_ignore_glob = ["multihost", "multihost/*"]
 if os.environ.get("JAXAMP_MULTIDEVICE") != "1":
-  collect_ignore_glob.append("multidevice/*")
+  collect_ignore_glob += ["multidevice", "multidevice/*"]
 
 
 @pytest.fixture
