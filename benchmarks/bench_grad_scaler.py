@@ -14,6 +14,16 @@ million by default) with Adam and dynamic loss scaling, written four ways:
 
 Each is printed as a ratio to ``core`` (target for ``torch_style``: 1.10x).
 
+Where the difference comes from: the PyTorch-style loop runs four jitted
+calls (backward, unscale-and-check, the holder's apply, the scale update)
+where the core runs one. The small calls cost little (the scale update is
+about 0.2 ms on CPU); what costs is the extra pass over the gradients that
+``unscale_`` makes (read, check, write unscaled) before the holder's apply
+reads them again, and the holder's non-donated buffers. The pass is inherent
+in the protocol (``apply_gradients(grads, skip=...)`` must receive the
+unscaled gradients and the skip flag), so the gap shrinks as the backward
+pass grows (``--batch``).
+
 Run: ``python benchmarks/bench_grad_scaler.py [--hidden N] [--batch B] [--rounds R]``.
 """
 
