@@ -185,3 +185,40 @@ def test_jit_named_sharding_matches_one_device(mesh, reference, layout, count_tr
   for leaf, s in zip(jax.tree.leaves(params), jax.tree.leaves(spec)):
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, s), leaf.ndim)
   _assert_close(params, reference)
+
+
+@pytest.mark.parametrize("way", ["jit", "shard_map"])
+def test_fsdp_inf_in_one_shard_of_one_gradient_skips_everywhere(mesh, way):
+  """Only device 5's shard of w's gradient is inf; every other value is finite."""
+  spec = {"w": P("data"), "b": P()}
+  shard = lambda t, s: jax.tree.map(lambda a, si: jax.device_put(a, NamedSharding(mesh, si)), t, s)
+  params = shard({"w": np.ones((16, 4), np.float32), "b": np.ones((4,), np.float32)}, spec)
+  coef = {"w": np.ones((16, 4), np.float32), "b": np.ones((4,), np.float32)}
+  bad = {"w": coef["w"].copy(), "b": coef["b"]}
+  bad["w"][11, 2] = np.inf  # rows 10..11 live on device 5
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0,
+                                 axis_name="data" if way == "shard_map" else None)
+
+  def step(p, s, c):
+    loss = lambda q: jaxamp.scale_loss(
+        sum(jnp.sum(q[k] * c[k]) for k in ("w", "b")), s)
+    updates, s = tx.update(jax.grad(loss)(p), s, p)
+    return optax.apply_updates(p, updates), s
+
+  if way == "jit":
+    fn = jax.jit(step)
+  else:
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P(), spec),
+                               out_specs=(spec, P())))
+  with jax.set_mesh(mesh):
+    state = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
+    before = [np.asarray(s.data) for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards]
+    params, state = fn(params, state, shard(bad, spec))
+    after = [np.asarray(s.data) for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards]
+    assert bool(state.skipped) and float(state.scale) == 4.0
+    for a, b in zip(after, before):  # every shard of every device left bit-identical
+      np.testing.assert_array_equal(a, b)
+    params, state = fn(params, state, shard(coef, spec))
+  assert not bool(state.skipped) and float(state.scale) == 4.0
+  np.testing.assert_allclose(np.asarray(params["w"]), 0.9, rtol=1e-6)
+  assert params["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
