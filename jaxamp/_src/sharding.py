@@ -1,4 +1,10 @@
-"""Where the finite check must be reduced so that every device takes the same decision.
+"""Sharding helpers: one decision on every device, state typed like the gradients.
+
+Where the finite check must be reduced so that every device takes the same
+decision (:func:`finite_reduction_axes`), fresh values with the sharding and
+``shard_map`` type of the gradients (:func:`full_like_type`,
+:func:`mark_varying`), and the collectives of a compiled step
+(:func:`hlo_collectives`, for tests and benchmarks).
 
 Inside ``shard_map`` (with ``check_vma=True``, the default) JAX records in each
 value's type the manual mesh axes it varies over (``jax.typeof(x).vma``). If
@@ -27,7 +33,12 @@ AxisName = Union[Hashable, Sequence[Hashable], None]
 
 
 def axis_tuple(axis_name: AxisName) -> Tuple[Hashable, ...]:
-  """Returns ``axis_name`` as a tuple of names (``None`` gives ``()``)."""
+  """Returns ``axis_name`` as a tuple of names (``None`` gives ``()``).
+
+  Examples:
+    >>> axis_tuple("data"), axis_tuple(("data", "model")), axis_tuple(None)
+    (('data',), ('data', 'model'), ())
+  """
   if axis_name is None:
     return ()
   if isinstance(axis_name, (tuple, list)):
@@ -154,7 +165,7 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "col
 
 
 def hlo_collectives(hlo_text: str) -> list:
-  """Lists the collectives in the text of a compiled (or lowered) XLA HLO module.
+  r"""Lists the collectives in the text of a compiled (or lowered) XLA HLO module.
 
   Used by the tests and benchmarks to check which communication a step
   contains, e.g. ``hlo_collectives(jax.jit(step).lower(*args).compile().as_text())``.
@@ -166,6 +177,13 @@ def hlo_collectives(hlo_text: str) -> list:
     (``'f32[64,32]{1,0}'``, ``'(pred[], pred[])'``), and the name of the HLO
     computation that contains it (``'ENTRY'`` for the entry computation), which
     tells whether it sits inside a branch of a conditional.
+
+  Examples:
+    >>> import jax
+    >>> hlo_collectives(jax.jit(lambda x: x + 1).lower(1.0).compile().as_text())
+    []
+    >>> hlo_collectives("ENTRY %main {\n  %r = f32[4]{0} all-reduce(f32[4]{0} %x), to_apply=%add\n}")
+    [('all-reduce', 'f32[4]{0}', 'ENTRY')]
   """
   found = []
   computation = ""
