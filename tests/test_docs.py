@@ -49,8 +49,9 @@ def site(tmp_path_factory) -> pathlib.Path:
 
 
 def test_strict_build_produces_every_page(site):
-  for page in ("index", "getting-started/index", "concepts/index", "porting/index",
-               "benchmarks/index", "api/index"):
+  for page in ("index", "getting-started/index", "concepts/index", "flax/index",
+               "distributed/index", "porting/index", "examples/index", "benchmarks/index",
+               "api/index"):
     assert (site / f"{page}.html").exists() or (site / page / "index.html").exists(), page
 
 
@@ -94,6 +95,19 @@ def test_broken_reference_fails_the_strict_build(tmp_path):
   assert proc.returncode != 0
   log = proc.stdout + proc.stderr
   assert "jaxamp.no_such_name" in log and "no-such-page.md" in log, log
+
+
+def test_docstring_markup_is_rewritten_for_markdown():
+  sys.path.insert(0, str(ROOT / "docs" / "_griffe"))
+  try:
+    rst_markup = importlib.import_module("rst_markup")
+  finally:
+    sys.path.pop(0)
+  text = ("Uses :func:`scale_loss` and :class:`~jaxamp.Policy`; the rule::\n\n"
+          "  if found_inf:\n    skip()\n\nThe end.")
+  assert rst_markup.rst_to_markdown(text) == (
+      "Uses `scale_loss` and `jaxamp.Policy`; the rule:\n\n"
+      "```python\nif found_inf:\n  skip()\n```\n\nThe end.")
 
 
 def _python_blocks(markdown: str) -> list:
