@@ -103,7 +103,26 @@ class ScaleRule:
     return new_scale, new_tracker, new_overflow
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _concrete_scalar(value: Any) -> Any:
+  """Unwraps a concrete 0-d numpy/JAX array; refuses traced values."""
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+        f"got the traced value {value!r}; loss-scaling hyperparameters select code at "
+        "construction and must be Python numbers (with optax.inject_hyperparams, list them "
+        "in static_args)")
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
+    return np.asarray(value).item()
+  return value
+
+
 def _check_number(name: str, value: Any) -> float:
+  try:
+    value = _concrete_scalar(value)
+  except TypeError as err:
+    raise TypeError(f"{name} must be a real number: {err}") from None
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
   value = float(value)
@@ -113,10 +132,15 @@ def _check_number(name: str, value: Any) -> float:
 
 
 def _check_int(name: str, value: Any) -> int:
+  try:
+    value = _concrete_scalar(value)
+  except TypeError as err:
+    raise TypeError(f"{name} must be an int: {err}") from None
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-  if value < 1:
-    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+  if not 1 <= value <= _INT32_MAX:
+    raise ValueError(f"{name} must be an int in [1, {_INT32_MAX}] (its counter is an int32), "
+                     f"got {value!r}")
   return int(value)
 
 
@@ -141,8 +165,10 @@ def make_rule(*, growth_factor: float = 2.0, backoff_factor: float = 0.5,
   hysteresis = _check_int("hysteresis", hysteresis)
   min_scale = DEFAULT_MIN_SCALE if min_scale is None else _check_number("min_scale", min_scale)
   max_scale = DEFAULT_MAX_SCALE if max_scale is None else _check_number("max_scale", max_scale)
-  if min_scale <= 0.0:
-    raise ValueError(f"min_scale must be > 0, got {min_scale!r}")
+  if min_scale < DEFAULT_MIN_SCALE:
+    raise ValueError(
+        f"min_scale must be a normal float32, at least {DEFAULT_MIN_SCALE!r} (smaller scales are "
+        f"denormal, which XLA flushes to 0.0), got {min_scale!r}")
   if min_scale > max_scale:
     raise ValueError(f"min_scale must be <= max_scale, got min_scale={min_scale!r} > "
                      f"max_scale={max_scale!r}")
@@ -201,11 +227,11 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule,
 
   def update_fn(grads, state, params=None, **extra_args):
     check_grad_dtypes(grads, "gradient")
-    grads = numerics.unscale(grads, state.scale)
-    finite = numerics.all_finite(grads, axis_name)
-    updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
-    updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
-    inner_state = numerics.select_tree(finite, inner_state, state.inner_state)
+    finite = numerics.unscaled_all_finite(grads, state.scale, axis_name)
+    unscaled = numerics.unscale(grads, state.scale)
+    updates, inner_state = numerics.select_update(
+        finite, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
+        state.inner_state)
     found_inf = jnp.logical_not(finite)
     scale, tracker, overflow = rule.adjust(state.scale, state.growth_tracker,
                                            state.overflow_count, found_inf)
@@ -235,8 +261,9 @@ def dynamic_loss_scale(
   then either runs ``inner.update`` on the unscaled gradients, or, when a
   value is inf or nan, returns zero updates and keeps the inner state as it
   was (its step count and schedules do not advance), so that
-  ``optax.apply_updates`` leaves the parameters bit-identical. Finally it
-  adjusts the scale::
+  ``optax.apply_updates`` leaves the parameters bit-identical (the zeros are
+  ``-0.0``: ``p + 0.0`` would turn a ``-0.0`` parameter into ``+0.0``).
+  Finally it adjusts the scale::
 
     if found_inf:
       growth_tracker = 0
@@ -257,7 +284,14 @@ def dynamic_loss_scale(
   0.0: it stops at ``min_scale``, by default the smallest normal float32
   (``1.1754944e-38``), far below any scale a real run reaches. ``max_scale``
   defaults to the largest finite float32, so growth stops exactly where
-  PyTorch stops it (a growth to inf is refused).
+  PyTorch stops it (a growth to inf is refused). The gradients are unscaled
+  as PyTorch unscales them (times ``float32(1 / scale)``), also for scales of
+  2^126 and more, whose reciprocal is a denormal that XLA would flush to 0.
+
+  The finite check reads the gradients once, and the skip costs nothing more:
+  the inner update is traced and its new state selected where it is
+  computed, so that XLA fuses the selection into the inner update's own
+  elementwise kernels (see ``benchmarks/bench_loss_scale.py``).
 
   Args:
     inner: the optax transformation fed with the unscaled gradients, e.g.
@@ -270,7 +304,8 @@ def dynamic_loss_scale(
     hysteresis: number of consecutive non-finite steps before backing off;
       >= 1 (1 is PyTorch, Paddle's default is 2). Every non-finite step is
       skipped regardless.
-    min_scale: floor of the scale; ``None`` for the smallest normal float32.
+    min_scale: floor of the scale, at least the smallest normal float32
+      (``DEFAULT_MIN_SCALE``, also the default when ``None``).
     max_scale: ceiling of the scale; ``None`` for the largest float32.
     axis_name: mapped axis name (or tuple of names) over which the finite
       check is reduced inside ``shard_map``/``pmap``, so that every device
@@ -295,7 +330,7 @@ def dynamic_loss_scale(
     >>> grads = {'w': jnp.array([8.0, jnp.inf])}  # an overflow: skipped
     >>> updates, state = tx.update(grads, state, params)
     >>> updates['w'], state.scale, state.skipped
-    (Array([0., 0.], dtype=float32), Array(4., dtype=float32), Array(True, dtype=bool))
+    (Array([-0., -0.], dtype=float32), Array(4., dtype=float32), Array(True, dtype=bool))
   """
   init_scale_ = check_scale("init_scale", init_scale)
   rule = make_rule(growth_factor=growth_factor, backoff_factor=backoff_factor,
@@ -383,20 +418,44 @@ def scale_loss(loss: jax.Array, opt_state: optax.OptState) -> jax.Array:
     >>> jaxamp.scale_loss(jnp.float32(0.5), state)
     Array(2., dtype=float32)
   """
+  scale = get_loss_scale(opt_state)
   loss = jnp.asarray(loss)
-  loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
-  return loss * get_loss_scale(opt_state).astype(loss.dtype)
+  if not (jnp.issubdtype(loss.dtype, jnp.inexact) and loss.dtype.itemsize >= 4):
+    loss = loss.astype(jnp.float32)  # integers and half precision
+  return loss * scale.astype(loss.dtype)
 
 
 def set_loss_scale(opt_state: optax.OptState, scale: Any) -> optax.OptState:
   """Returns ``opt_state`` with every loss scale inside it set to ``scale``.
 
   The growth tracker and overflow count are left as they are (as PyTorch's
-  ``update(new_scale)``). No recompilation: the scale is a state leaf.
+  ``update(new_scale)``). No recompilation: the scale is a state leaf, and
+  ``scale`` may be a Python number (checked to be positive and finite) or a
+  scalar array (a traced one too, which cannot be checked).
+
+  Raises:
+    TypeError: when ``scale`` is neither a real number nor a real scalar array.
+    ValueError: when ``scale`` is not a scalar, not positive and finite, or
+      ``opt_state`` holds no loss-scale state.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = optax.chain(optax.identity(), jaxamp.dynamic_loss_scale(optax.sgd(0.1)))
+    >>> state = jaxamp.set_loss_scale(tx.init({'w': jnp.zeros(2)}), 1024.0)
+    >>> jaxamp.get_loss_scale(state)
+    Array(1024., dtype=float32)
   """
-  value = jnp.asarray(scale, jnp.float32)
-  if value.shape != ():
-    raise ValueError(f"scale must be a scalar, got shape {value.shape}")
+  get_loss_scale_state(opt_state)  # a clear error when there is none
+  if isinstance(scale, jax.core.Tracer):
+    if scale.shape != () or not (jnp.issubdtype(scale.dtype, jnp.floating)
+                                 or jnp.issubdtype(scale.dtype, jnp.integer)):
+      raise TypeError(f"scale must be a real scalar, got a traced {scale.dtype} array of "
+                      f"shape {scale.shape}")
+    value = scale.astype(jnp.float32)
+  else:
+    if isinstance(scale, (np.ndarray, jax.Array)) and np.ndim(scale) != 0:
+      raise ValueError(f"scale must be a scalar, got an array of shape {np.shape(scale)}")
+    value = jnp.asarray(check_scale("scale", scale), jnp.float32)
 
   def put(node):
     return node._replace(scale=value) if _is_scale_state(node) else node

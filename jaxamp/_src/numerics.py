@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Hashable, Sequence, Union
+from typing import Any, Callable, Hashable, Sequence, Union
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -49,18 +50,25 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     >>> jaxamp.all_finite({'w': jnp.ones(3), 'b': jnp.array([1.0, jnp.inf])})
     Array(False, dtype=bool)
   """
-  leaves = [
-      jnp.all(jnp.isfinite(x))
-      for x in jax.tree.leaves(tree)
-      if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-  ]
-  ok = jnp.stack(leaves).all() if leaves else jnp.array(True)
+  ok = _local_all_finite(tree)
   axes = sharding.finite_reduction_axes(tree, axis_name)
   if axes:
     # psum of the failures: one integer all-reduce, the same answer everywhere.
     bad = lax.psum(jnp.logical_not(ok).astype(jnp.int32), axes)
     ok = bad == 0
   return ok
+
+
+def _is_float(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _local_all_finite(tree: Any) -> jax.Array:
+  """Whether every floating element of ``tree`` is finite, on this device only."""
+  # x * 0 is 0 where x is finite and nan elsewhere, so the float sum is 0 or nan:
+  # it never overflows, and a float sum reduces much faster than a boolean ``all``.
+  sums = [jnp.isfinite(jnp.sum(x * 0)) for x in jax.tree.leaves(tree) if _is_float(x)]
+  return jnp.stack(sums).all() if sums else jnp.array(True)
 
 
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
@@ -72,9 +80,109 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   """
 
   def pick(a, b):
-    return jnp.where(pred, a, b).astype(jnp.result_type(b))
+    dtype = jnp.result_type(b)
+    return jnp.where(pred, jnp.asarray(a).astype(dtype), b).astype(dtype)
 
   return jax.tree.map(pick, on_true, on_false)
+
+
+def _neg_zeros_like(x: jax.Array) -> jax.Array:
+  # -0.0, not 0.0: p + (-0.0) is p bit for bit for every p, -0.0 included.
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.full_like(x, -0.0)  # full_like: sharded (and shard_map-typed) as x is
+  return jnp.zeros_like(x)
+
+
+def _keep(pred: jax.Array, new: Any, old: jax.Array) -> jax.Array:
+  dtype = jnp.result_type(old)
+  return jnp.where(pred, jnp.asarray(new).astype(dtype), old).astype(dtype)
+
+
+def select_update(pred: jax.Array, update: Callable[[], tuple[Any, Any]],
+                  old_state: Any) -> tuple[Any, Any]:
+  """Runs an optax-style ``update()`` whose result counts only where ``pred``.
+
+  Returns ``(updates, new_state)`` from ``update()`` when ``pred`` is true,
+  and ``(zeros, old_state)`` otherwise: the zeros are ``-0.0``, so that
+  ``optax.apply_updates`` leaves every parameter bit-identical (``p + 0.0``
+  would turn a ``-0.0`` parameter into ``+0.0``), and the state keeps each
+  leaf's dtype.
+
+  The naive ``where(pred, updates, 0)``, ``where(pred, new_state, old_state)``
+  forces XLA to compute the updates from the *old* optimizer state (the new
+  one is only materialised after the selection), so each donated state buffer
+  is copied and the gradients are read once more: about 1.6x the cost of the
+  bare Adam update. Here ``update`` is traced once to a jaxpr and evaluated
+  with each new state leaf replaced, where it is computed, by its selected
+  value, so that the updates are computed from the selected state. Where
+  ``pred`` is true both are the same values; where it is false the updates
+  are zeroed and the state is the old one either way: the result is exactly
+  that of the naive selection, at the cost of the plain inner update.
+
+  Args:
+    pred: a ``bool`` scalar.
+    update: a function of no arguments returning ``(updates, new_state)``,
+      ``new_state`` with the structure of ``old_state``.
+    old_state: the state to keep where ``pred`` is false.
+
+  Returns:
+    ``(updates, state)``.
+  """
+  old_leaves, old_def = jax.tree.flatten(old_state)
+  try:
+    closed, shapes = jax.make_jaxpr(update, return_shape=True)()
+    shape_leaves, out_def = jax.tree.flatten(shapes)
+    updates_def = jax.tree.structure(shapes[0])
+    if jax.tree.structure(shapes[1]) != old_def:
+      raise ValueError("the new state has not the structure of the old one")
+    outputs = _eval_selecting(closed, pred, updates_def.num_leaves, old_leaves)
+  except Exception:  # pylint: disable=broad-except
+    # Anything the tracing cannot handle takes the plain path (which also
+    # raises the genuine error of a broken ``update``).
+    updates, new_state = update()
+    updates = jax.tree.map(lambda u: jnp.where(pred, u, _neg_zeros_like(u)), updates)
+    return updates, jax.tree.map(lambda n, o: _keep(pred, n, o), new_state, old_state)
+  del shape_leaves
+  return jax.tree.unflatten(out_def, outputs)
+
+
+def _eval_selecting(closed: Any, pred: jax.Array, num_updates: int, old_leaves: list) -> list:
+  """Evaluates ``closed`` (a jaxpr of ``update``), selecting the state where it is made."""
+  jaxpr = closed.jaxpr
+  state_vars = jaxpr.outvars[num_updates:]
+  if len(state_vars) != len(old_leaves):
+    raise ValueError("state leaves do not match")
+  # Each state output defined by an equation is selected right there (by the old
+  # value of its own position); later uses, the updates among them, see that value.
+  defined = {v for eqn in jaxpr.eqns for v in eqn.outvars}
+  swap: dict = {}
+  for i, (v, old) in enumerate(zip(state_vars, old_leaves)):
+    old = jnp.asarray(old)
+    if (isinstance(v, jex_core.Var) and v in defined and v not in swap
+        and v.aval.shape == old.shape and v.aval.dtype == old.dtype):
+      swap[v] = i
+  env: dict = {}
+
+  def read(v):
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+  for v, c in zip(jaxpr.constvars, closed.consts):
+    env[v] = c
+  for eqn in jaxpr.eqns:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+      ans = eqn.primitive.bind(*[read(v) for v in eqn.invars], **params)
+    for v, val in zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]):
+      if v in swap:
+        val = _keep(pred, val, old_leaves[swap[v]])
+      env[v] = val
+
+  outputs = [read(v) for v in jaxpr.outvars]
+  updates = [jnp.where(pred, u, _neg_zeros_like(u)) for u in outputs[:num_updates]]
+  state = [val if swap.get(v) == i else _keep(pred, val, old)
+           for i, (v, val, old) in enumerate(zip(state_vars, outputs[num_updates:], old_leaves))]
+  return updates + state
 
 
 def safe_increment(count: jax.Array) -> jax.Array:
@@ -98,11 +206,55 @@ def unscale(tree: Any, scale: jax.Array) -> Any:
   second = jnp.where(huge, jnp.float32(_TWO_64) / scale, jnp.float32(1.0) / scale)
 
   def one(g):
+    g = jnp.asarray(g)
     if not jnp.issubdtype(g.dtype, jnp.inexact):
       return g
-    return (g.astype(jnp.float32) * first * second).astype(g.dtype)
+    if jnp.issubdtype(g.dtype, jnp.complexfloating):
+      return lax.complex(one(g.real), one(g.imag))
+    # Half precision is computed in float32, float64 (with x64) in float64.
+    compute = g.dtype if g.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
+    return (g.astype(compute) * first.astype(compute) * second.astype(compute)).astype(g.dtype)
 
   return jax.tree.map(one, tree)
+
+
+def _check_unscaled(grads: Any, scale: jax.Array, raw: jax.Array) -> jax.Array:
+  del raw
+  return _local_all_finite(unscale(grads, scale))
+
+
+def _no_check(grads: Any, scale: jax.Array, raw: jax.Array) -> jax.Array:
+  del grads, scale
+  # ``raw | True``, not a constant: under shard_map both branches of the cond
+  # must vary over the same mesh axes (those of the gradients).
+  return jnp.logical_or(raw, True)
+
+
+def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None) -> jax.Array:
+  """Returns ``all_finite(unscale(grads, scale), axis_name)``, reading the gradients once.
+
+  The check runs on the raw (scaled) gradients, which a jitted step already
+  holds in memory: checking the unscaled ones would make XLA write them out
+  first. That is exact whenever ``scale >= 1``, as unscaling then only shrinks
+  values; below 1 an unscaled value may overflow, and the unscaled gradients
+  are checked as well, inside a ``lax.cond`` that is skipped otherwise.
+
+  Args:
+    grads: a pytree of (scaled) gradients.
+    scale: the loss scale they are divided by, as :func:`unscale` does.
+    axis_name: as in :func:`all_finite`.
+
+  Returns:
+    A ``bool`` scalar array.
+  """
+  scale = jnp.asarray(scale, jnp.float32)
+  raw = _local_all_finite(grads)
+  unscaled = lax.cond(jnp.logical_and(raw, scale < 1.0), _check_unscaled, _no_check,
+                      grads, scale, raw)
+  ok = jnp.logical_and(raw, unscaled)
+  # The same reduction across devices as all_finite: ``ok`` varies over every
+  # axis the gradients vary over, so a one-leaf proxy carries that information.
+  return all_finite(jnp.where(ok, jnp.float32(0.0), jnp.float32(jnp.inf)), axis_name)
 
 
 def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -134,15 +286,18 @@ def mul_like_float64(x: jax.Array, factor: float) -> jax.Array:
   if math.frexp(factor)[0] == 0.5:
     return x * f_hi
   f_lo = np.float32(factor - float(f_hi))
+  # With the third piece the three float32s hold all 53 bits of ``factor``.
+  f_lo2 = np.float32(factor - float(f_hi) - float(f_lo))
   # Lift tiny inputs so that no partial product underflows; undone exactly below.
   lift = jnp.where(jnp.abs(x) < 2.0**-60, jnp.float32(2.0**64), jnp.float32(1.0))
   x = x * lift
   x_hi, x_lo = _split(x)
   fh_hi, fh_lo = _split(jnp.asarray(f_hi))
-  # Four exact partial products (12-bit heads and tails) plus the tiny x*f_lo.
+  # Four exact partial products (12-bit heads and tails) plus the tiny x*f_lo
+  # and the tinier x*f_lo2.
   s, e1 = _two_sum(x_hi * fh_hi, x_hi * fh_lo)
   s, e2 = _two_sum(s, x_lo * fh_hi)
-  exact = s + (e1 + e2 + x_lo * fh_lo + x * f_lo)
+  exact = s + (e1 + e2 + x_lo * fh_lo + (x * f_lo + x * f_lo2))
   # Where p overflowed (inf) the correction is meaningless (inf - inf): keep p.
   p = x * f_hi
   return jnp.where(jnp.isfinite(p), exact, p) / lift
