@@ -105,7 +105,7 @@ def plot_training(metrics: dict[str, Any], path: str, *, grid: Any = None,
   ax_loss.grid(alpha=0.3)
   ax_loss.legend(loc="upper right", fontsize=8)
   scaling = "dynamic loss scaling" if config["loss_scale"] else "no loss scaling"
-  clip = f"clip {config['clip']:g}" if config["clip"] > 0 else "no clipping"
+  clip = f"global-norm clip {config['clip']:g}" if config["clip"] > 0 else "no clipping"
   ax_loss.set_title(f"{config['dtype']} compute, float32 params: {scaling}, "
                     f"{config['accumulate']}-step accumulation, {clip}", fontsize=10)
   ax_loss.tick_params(labelbottom=False)
