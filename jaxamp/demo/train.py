@@ -224,9 +224,7 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, dict[str, float]]
   compile_seconds = time.perf_counter() - compile_start
 
   eval_every = max(1, config.steps // config.evals)
-  eval_steps = [0] + [s for s in range(eval_every, config.steps + 1, eval_every)]
-  if eval_steps[-1] != config.steps:
-    eval_steps.append(config.steps)
+  eval_steps = set(range(eval_every, config.steps + 1, eval_every)) | {config.steps}
   pending_evals = [(0, eval_fn(state.params, eval_x, eval_y))]
 
   pending: list[Any] = []   # device metrics of micro-steps not yet read back
@@ -250,7 +248,7 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, dict[str, float]]
       state, metrics = step_fn(state, jnp.asarray((step - 1) * k + j, jnp.int32),
                                train_x, train_y)
       pending.append(metrics)
-    if step in eval_steps[1:]:
+    if step in eval_steps:
       pending_evals.append((step, eval_fn(state.params, eval_x, eval_y)))
     now = time.perf_counter()
     if step == config.steps or (report is not None and now - last_report >= report_interval):
