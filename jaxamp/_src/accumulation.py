@@ -367,17 +367,28 @@ def accumulate_gradients(
         return grads
       return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
 
-    def close(acc, grads, inner_state, params):
+    def window_mean(acc, grads):
       total = window_sum(acc, grads)
       if axis_name is not None:
         total = lax.pmean(total, axis_name)
       if average and k > 1:
         total = jax.tree.map(
             lambda t: t / divisor(t.dtype) if jnp.issubdtype(t.dtype, jnp.inexact) else t, total)
-      mean = jax.tree.map(lambda t, g: t.astype(jnp.result_type(g)), total, grads)
+      return jax.tree.map(lambda t, g: t.astype(jnp.result_type(g)), total, grads)
 
-      def step(mean, inner_state, params):
-        updates, new_inner = inner.update(mean, inner_state, params, **extra_args)
+    def close(acc, grads, inner_state, params):
+      if axis_name is None:
+        # The mean is formed where it is used (by the finite check, then by the
+        # inner update), fused into their loops rather than written out.
+        source = (acc, grads)
+        form = window_mean
+      else:
+        # All-reduced once, then used as it is.
+        source = (window_mean(acc, grads), None)
+        form = lambda mean, _: mean  # noqa: E731
+
+      def step(source, inner_state, params):
+        updates, new_inner = inner.update(form(*source), inner_state, params, **extra_args)
         updates = jax.tree.map(
             lambda u, g: sharding.mark_varying(u.astype(jnp.result_type(g)), update_axes),
             updates, grads)
@@ -385,15 +396,15 @@ def accumulate_gradients(
                                  new_inner, inner_state)
         return updates, new_inner, jnp.zeros([], jnp.bool_)
 
-      def drop(mean, inner_state, params):
-        del mean, params
+      def drop(source, inner_state, params):
+        del source, params
         return zeros_like_grads(), inner_state, jnp.ones([], jnp.bool_)
 
       if scaler_inside:
-        out = step(mean, inner_state, params)
+        out = step(source, inner_state, params)
       else:
-        finite = numerics.all_finite(mean)
-        out = lax.cond(finite, step, drop, mean, inner_state, params)
+        finite = numerics.all_finite(form(*source))
+        out = lax.cond(finite, step, drop, source, inner_state, params)
       return out + (jnp.ones([], jnp.bool_),)
 
     def keep(acc, grads, inner_state, params):
