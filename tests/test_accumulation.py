@@ -173,6 +173,22 @@ def test_past_total_steps_changes_nothing(monkeypatch):
   assert int(new_state.micro_step) == 4 and not bool(new_state.updated)
 
 
+def test_past_total_steps_without_the_callback():
+  tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 2, total_steps=3, raise_past_end=False)
+  step = make_step(tx)
+  params, state = PARAMS, tx.init(PARAMS)
+  # No host callback: the step keeps JAX's fast dispatch path and can be exported.
+  assert not jax.make_jaxpr(step)(params, state, PARAMS).effects
+  assert jax.make_jaxpr(make_step(jaxamp.accumulate_gradients(optax.sgd(1.0), 2, total_steps=3))
+                        )(params, state, PARAMS).effects
+  for g in micro_grads(3):
+    params, state, _ = step(params, state, g)
+  new_params, new_state, updates = step(params, state, micro_grads(1)[0])
+  jax.tree.map(np.testing.assert_array_equal, new_params, params)
+  assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
+  assert int(new_state.micro_step) == 4 > 3 and int(new_state.gradient_step) == 2
+
+
 # --- NaN safety ------------------------------------------------------------------------------
 
 
@@ -515,6 +531,7 @@ def test_compiled_step_copies_no_buffer(total_steps):
     (dict(every_k=2, average="yes"), TypeError, "average must be a bool"),
     (dict(every_k=2, accumulator_dtype=jnp.int32), ValueError, "accumulator_dtype"),
     (dict(every_k=2, accumulator_dtype="nope"), TypeError, "accumulator_dtype"),
+    (dict(every_k=2, raise_past_end=None), TypeError, "raise_past_end must be a bool"),
 ])
 def test_bad_arguments(kwargs, error, match):
   with pytest.raises(error, match=match):

@@ -179,6 +179,7 @@ def accumulate_gradients(
     total_steps: Optional[int] = None,
     accumulator_dtype: Any = None,
     axis_name: numerics.AxisName = None,
+    raise_past_end: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` micro-steps before each inner update.
 
@@ -205,11 +206,15 @@ def accumulate_gradients(
   exceeds ``total_steps``) and raises a ``RuntimeError`` from a host
   callback that only runs in that case (under ``jit`` it surfaces as a
   ``jax.errors.JaxRuntimeError`` carrying the message, when the result is
-  awaited). It never divides by zero. Because of that callback, a step
-  built with ``total_steps`` cannot be serialized with ``jax.export``; one
-  built without it can. A resumed run continues mmengine's counting when
-  ``micro_step`` is set to the number of micro-steps done and ``mini_step``
-  to ``micro_step % k``.
+  awaited). It never divides by zero. The callback, although never run
+  before the end, makes the compiled step effectful: JAX then dispatches
+  each call through Python instead of its C++ fast path (about 2 ms more
+  per call for a 30-leaf model on CPU, several times the step of a small
+  model; a few percent of a 4M-parameter adam step), and ``jax.export``
+  cannot serialize it. ``raise_past_end=False`` leaves it out: a call past
+  the end is then only recorded in ``micro_step``. A resumed run continues
+  mmengine's counting when ``micro_step`` is set to the number of
+  micro-steps done and ``mini_step`` to ``micro_step % k``.
 
   **Non-finite windows.** When the accumulated gradients of a window hold an
   inf or a nan, the whole window is dropped: zero updates, inner state
@@ -265,6 +270,9 @@ def accumulate_gradients(
       receives, and the updates come back in, the gradients' own dtypes.
     axis_name: mapped axis name (or tuple of names) to all-reduce the
       accumulated gradients over, once per window.
+    raise_past_end: with ``total_steps``, raise an error from the host on a
+      call past the end (True), or only record it in ``micro_step`` and keep
+      the step free of host callbacks (False).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -304,6 +312,9 @@ def accumulate_gradients(
   if total_steps is not None:
     total_steps = _check_int("total_steps", total_steps)
   acc_dtype = _check_accumulator_dtype(accumulator_dtype)
+  if not isinstance(raise_past_end, (bool, np.bool_)):
+    raise TypeError(f"raise_past_end must be a bool, got {raise_past_end!r} of type "
+                    f"{type(raise_past_end).__name__}")
   accumulates = k > 1
 
   def leaf_acc_dtype(x) -> jnp.dtype:
@@ -416,7 +427,7 @@ def accumulate_gradients(
       updates, inner_state, dropped, closed = lax.cond(emit, close, keep, *operands)
     else:
       updates, inner_state, dropped, closed = close(*operands)
-    if beyond is not None:
+    if beyond is not None and raise_past_end:
       # Past the end: zero updates from `keep` above, and an error raised from
       # the host, in a branch that only runs in that case.
       def report(beyond, micro_step):
