@@ -622,9 +622,11 @@ def test_200_steps_with_optim_wrapper_compile_once():
     scaler.step(opt)
     scaler.update()
   assert traces["n"] == 1
-  assert set(opt._trace_counts.values()) == {1}
+  # One backward and one fused unscale-check-apply function, each compiled once; the
+  # separate unscale pass never runs (unscale_ is not called).
+  assert opt._trace_counts == {"grad": 1, "apply_scaled": 1}
   assert facade.update_fn(rule)._cache_size() == 1
-  assert facade._unscale_and_check._cache_size() - before_unscale <= 1
+  assert facade._unscale_and_check._cache_size() == before_unscale
   assert scaler.get_scale() < 2.0**20 * 2.0**40  # grew, backed off, never inf
   assert np.all(np.isfinite(np.asarray(opt.params["w"])))
 
@@ -649,6 +651,172 @@ def test_optim_wrapper_clips_after_the_scaler_unscales():
   control = _control(SGD, BATCHES, torch_clip, skip={3})
   np.testing.assert_allclose(opt.params["w"], control["w"], rtol=1e-6)
   assert scaler.get_scale() == 2.0**13  # grew at 1, backed off at 3, grew at 5
+
+
+# ---------------------------------------------------------------------------------------------
+# step() with OptimWrapper.apply_scaled_gradients: unscale, check and apply in one jitted call.
+
+P0 = {"w": W0["w"], "m": jnp.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]], jnp.float32)}
+
+
+def _loss2(params, x, factor):
+  return (jnp.sum(jnp.tanh(params["m"] @ (params["w"] * x)) ** 2) + jnp.sum(params["w"] * x)) * factor
+
+
+def _two_calls(cls):
+  """``cls`` without the fused method: the scalers unscale and apply in two calls."""
+  return type(f"TwoCalls{cls.__name__}", (cls,),
+              {"apply_scaled_gradients": lambda self, scale: NotImplemented})
+
+
+_FUSED_CASES = {
+    "sgd_momentum": (jaxamp.OptimWrapper, lambda: optax.sgd(0.25, momentum=0.9), {}),
+    "adam_clip_norm": (jaxamp.OptimWrapper, lambda: optax.adam(0.1), dict(clip_grad=dict(max_norm=0.5))),
+    "adamw_clip_value": (jaxamp.OptimWrapper, lambda: optax.adamw(0.05, weight_decay=0.1),
+                         dict(clip_grad=dict(type="value", clip_value=0.3))),
+    "amp_sgd_clip_norm": (jaxamp.AmpOptimWrapper, lambda: optax.sgd(0.25, momentum=0.5),
+                          dict(clip_grad=dict(max_norm=1.0),
+                               loss_scale=dict(init_scale=4.0, growth_interval=1))),
+}
+# Loss factors per iteration: finite, inf and nan gradients, a scale that grows and backs off.
+_FACTORS = [1.0, 1.0, np.inf, np.nan, 1.0, 1.0, 1.0, 2.0**100, -np.inf, 1.0, 1.0]
+
+
+def _scaler_trajectory(opt, factors, unscale_at=()):
+  scaler = jaxamp.GradScaler(init_scale=2.0**10, growth_interval=2)
+  out = []
+  with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes float and int32
+    for i, f in enumerate(factors):
+      opt.zero_grad()
+      opt.backward(scaler.scale(_loss2), X, jnp.float32(f))
+      if i in unscale_at:
+        scaler.unscale_(opt)
+      scaler.step(opt)
+      grads = opt.grads
+      scaler.update()
+      out.append((tuple(_bits(opt.params)), _bits((opt.opt_state, grads, opt.last_grad_norm)),
+                  scaler.get_scale(), scaler._get_growth_tracker()))
+  return out
+
+
+@pytest.mark.parametrize("case", sorted(_FUSED_CASES))
+def test_fused_step_is_bit_identical_to_unscale_then_apply(case):
+  cls, make_tx, kw = _FUSED_CASES[case]
+  fused, two = cls(make_tx(), P0, **kw), _two_calls(cls)(make_tx(), P0, **kw)
+  expected = _scaler_trajectory(two, _FACTORS)
+  assert _scaler_trajectory(fused, _FACTORS) == expected
+  assert "apply_scaled" in fused._trace_counts and "apply_skip" not in fused._trace_counts
+  assert "apply_scaled" not in two._trace_counts and two._trace_counts["apply_skip"] == 1
+  # Some steps skipped, some applied, the scale moved both ways.
+  params = [p for p, _, _, _ in expected]
+  skipped = [a == b for a, b in zip(params, params[1:])]
+  assert any(skipped) and not all(skipped)
+  assert len({s for _, _, s, _ in expected}) > 2
+  # Mixing explicit unscale_ (two calls) and implicit (fused) iterations changes nothing.
+  mixed = cls(make_tx(), P0, **kw)
+  assert _scaler_trajectory(mixed, _FACTORS, unscale_at={1, 2, 5}) == expected
+  assert mixed._trace_counts["apply_scaled"] == 1 and mixed._trace_counts["apply_skip"] == 1
+
+
+def test_fused_step_leaves_unscaled_gradients_and_the_stage_machine():
+  scaler = jaxamp.GradScaler(init_scale=2.0**8)
+  opt = _optim_wrapper(P0, SGD)
+  opt.backward(scaler.scale(_loss2), X, jnp.float32(1.0))
+  expected, _ = facade.unscale_and_check(opt.grads, scaler.state.scale)
+  scaler.step(opt)
+  assert _bits(opt.grads) == _bits(expected)  # as after unscale_, like PyTorch's step
+  with _raises(RuntimeError, "unscale_() is being called after step()."):
+    scaler.unscale_(opt)
+  with _raises(RuntimeError, "step() has already been called since the last update()."):
+    scaler.step(opt)
+  scaler.update()
+  with _raises(AssertionError, "No inf checks were recorded for this optimizer."):
+    opt.zero_grad()
+    scaler.step(opt)
+
+
+def test_fused_step_refuses_fp16_gradients_before_anything_changes():
+  scaler = _started()
+  opt = _optim_wrapper({"w": jnp.ones(3, jnp.float16)}, SGD)
+  opt.grads = {"w": jnp.ones(3, jnp.float16)}
+  before = _bits((opt.params, opt.opt_state, opt.grads))
+  with _raises(ValueError, "Attempting to unscale FP16 gradients."):
+    scaler.step(opt)
+  with _raises(ValueError, "Attempting to unscale FP16 gradients."):
+    scaler.unscale_(opt)  # still READY
+  assert _bits((opt.params, opt.opt_state, opt.grads)) == before and not opt._trace_counts
+
+
+def test_step_takes_two_calls_where_it_cannot_fuse():
+  scaler = _started(init_scale=2.0**8)
+  grads_of = lambda opt: jax.tree.map(lambda g: g * scaler.state.scale, jax.grad(_loss)(W0, X))
+  # clip_grad with error_if_nonfinite: the wrapper checks the norm on the host.
+  strict = _optim_wrapper(W0, SGD, clip_grad=dict(max_norm=1.0, error_if_nonfinite=True))
+  # Arguments forwarded to apply_gradients.
+  explicit = _optim_wrapper(W0, SGD)
+  # A wrapper whose apply_gradients is overridden must see the step.
+  calls = []
+
+  class Logging(jaxamp.OptimWrapper):
+    def apply_gradients(self, grads=None, *, skip=None):
+      calls.append(skip)
+      super().apply_gradients(grads, skip=skip)
+
+  logging = Logging(SGD, W0)
+  for opt in (strict, explicit, logging):
+    opt.grads = grads_of(opt)
+  scaler.step(strict)
+  scaler.step(explicit, jax.grad(_loss)(W0, X))  # applied as given (PyTorch passes them on)
+  scaler.step(logging)
+  scaler.update()
+  for opt in (strict, explicit, logging):
+    assert "apply_scaled" not in opt._trace_counts and opt._trace_counts["apply_skip"] == 1
+    np.testing.assert_allclose(opt.params["w"], W0["w"] - 0.5 * jax.grad(_loss)(W0, X)["w"],
+                               rtol=1e-6)
+  assert len(calls) == 1
+
+  # A scaler whose unscale_ is overridden sees every unscale.
+  seen = []
+
+  class Counting(jaxamp.GradScaler):
+    def unscale_(self, optimizer):
+      seen.append(optimizer)
+      super().unscale_(optimizer)
+
+  counting, opt = Counting(init_scale=4.0), _optim_wrapper(W0, SGD)
+  opt.backward(counting.scale(_loss), X)
+  counting.step(opt)
+  assert seen == [opt] and "apply_scaled" not in opt._trace_counts
+
+
+def test_a_bad_fused_result_is_an_error():
+  class Broken(Holder):
+    def apply_scaled_gradients(self, scale):
+      return 1.0
+
+  scaler = _started(init_scale=4.0)
+  opt = Broken(W0, SGD)
+  _set_grads(opt, scaler, [1.0, 2.0, 3.0])
+  with pytest.raises(TypeError, match="apply_scaled_gradients must return a boolean scalar"):
+    scaler.step(opt)
+
+
+def test_recipe_clipping_after_unscale_with_optim_wrapper():
+  clip = optax.clip_by_global_norm(0.1)
+  clip_fn = lambda g: clip.update(g, clip.init(g))[0]
+  scaler = jaxamp.GradScaler(init_scale=2.0**12)
+  opt = _optim_wrapper(W0, SGD)
+  for i, b in enumerate(BATCHES):
+    opt.zero_grad()
+    opt.backward(scaler.scale(_inf_loss if i == 2 else _loss), b)
+    scaler.unscale_(opt)
+    opt.grads = clip_fn(opt.grads)  # unscaled here; the step applies what the user left
+    scaler.step(opt)
+    scaler.update()
+  np.testing.assert_allclose(opt.params["w"], _control(SGD, BATCHES, clip_fn, skip={2})["w"],
+                             rtol=1e-6)
+  assert "apply_scaled" not in opt._trace_counts
+  assert scaler.get_scale() == 2.0**11
 
 
 def _forbid_host_reads(monkeypatch):
