@@ -25,7 +25,7 @@ or any object with the same protocol,
   unscaled gradients in ``grads`` and returns ``found_inf`` (a device boolean
   scalar), or ``NotImplemented`` having changed nothing. ``step`` uses it when
   ``unscale_`` was not called explicitly; the results are bit-identical to the
-  two calls, with one dispatch (and one compiled program) fewer.
+  two calls, with one pass over the gradients and one dispatch fewer.
 
 PyTorch's ``scaler.scale(loss).backward()`` is spelled
 ``opt.backward(scaler.scale(loss_fn), batch)``.
