@@ -1,7 +1,7 @@
 """Cost of the PyTorch-style loop (GradScaler + OptimWrapper) against the functional core.
 
 One training step of an MLP (about ``--hidden``^2 * 2 + ... parameters, a few
-million by default) with Adam and dynamic loss scaling, written five ways:
+million by default) with Adam and dynamic loss scaling, written four ways:
 
 - ``core``: the functional core, one jitted step with params and optimizer
   state donated: ``jax.grad`` of ``jaxamp.scale_loss(loss)``, then
@@ -10,33 +10,19 @@ million by default) with Adam and dynamic loss scaling, written five ways:
   scaler.step(opt); scaler.update()`` with ``jaxamp.GradScaler`` and
   ``jaxamp.OptimWrapper``;
 - ``paddle_style``: the same with ``jaxamp.paddle.GradScaler`` and ``minimize``;
-- ``torch_two_calls``: ``torch_style`` with a holder that lacks
-  ``apply_scaled_gradients``, so that ``step`` unscales and applies in two
-  jitted calls (what every holder did before the fused call existed);
 - ``adam``: the core step without loss scaling, for scale.
 
 Each is printed as a ratio to ``core`` (target for ``torch_style``: 1.10x).
 
-Where the difference comes from: the PyTorch-style loop runs three jitted
-calls (backward, the holder's fused unscale-check-clip-apply, the scale
-update) where the core runs one, and the holder cannot do what the core does
-inside its single program:
-
-- its outputs are fresh buffers: it hands ``params``, ``opt_state`` and
-  ``grads`` out to the user, so nothing can be donated (the core's step
-  updates in place);
-- ``backward`` writes the gradients out and the step reads them back;
-- to stay bit-identical with ``unscale_`` followed by
-  ``apply_gradients(skip=found_inf)``, the fused call materializes the
-  unscaled gradients (left in ``grads``, as PyTorch leaves them) and selects
-  old or new state with the same device-side predicate: fusing the unscale
-  into the update would let XLA contract its multiplication with the update's
-  additions (fma) and change last bits.
-
-So fusing the unscale pass into the apply saves a dispatch and little else
-on CPU (compare ``torch_two_calls``); the rest of the gap is the holder's
-memory traffic (fresh output buffers, the selection), which the core avoids
-by donating its state, and it shrinks as the backward pass grows (``--batch``).
+Where the difference comes from: the PyTorch-style loop runs four jitted
+calls (backward, unscale-and-check, the holder's apply, the scale update)
+where the core runs one. The small calls cost little (the scale update is
+about 0.2 ms on CPU); what costs is the extra pass over the gradients that
+``unscale_`` makes (read, check, write unscaled) before the holder's apply
+reads them again, and the holder's non-donated buffers. The pass is inherent
+in the protocol (``apply_gradients(grads, skip=...)`` must receive the
+unscaled gradients and the skip flag), so the gap shrinks as the backward
+pass grows (``--batch``).
 
 Run: ``python benchmarks/bench_grad_scaler.py [--hidden N] [--batch B] [--rounds R]``.
 """
@@ -145,22 +131,6 @@ def main() -> None:
     scaler.update()
     jax.block_until_ready(opt.params)
 
-  # -- the PyTorch-style loop with a holder stepped in two calls (unscale_, then apply).
-  class TwoCalls(jaxamp.OptimWrapper):
-    def apply_scaled_gradients(self, scale):
-      del scale
-      return NotImplemented
-
-  topt = TwoCalls(optax.adam(1e-4), _copy(params0))
-  tscaler = jaxamp.GradScaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
-
-  def run_torch_two_calls():
-    topt.zero_grad()
-    topt.backward(tscaler.scale(loss_fn), x, y)
-    tscaler.step(topt)
-    tscaler.update()
-    jax.block_until_ready(topt.params)
-
   # -- the Paddle-style loop.
   popt = jaxamp.OptimWrapper(optax.adam(1e-4), _copy(params0))
   pscaler = jaxamp.paddle.GradScaler(init_loss_scaling=INIT_SCALE,
@@ -176,10 +146,10 @@ def main() -> None:
         f"batch {args.batch}, adam; {device_summary()}")
   medians = interleaved_medians(
       {"core": run_core, "torch_style": run_torch_style, "paddle_style": run_paddle_style,
-       "torch_two_calls": run_torch_two_calls, "adam": run_adam},
+       "adam": run_adam},
       rounds=args.rounds, inner=args.inner)
   for name, value in medians.items():
-    print(f"  {name:<15} {value * 1e3:8.2f} ms")
+    print(f"  {name:<13} {value * 1e3:8.2f} ms")
   print_ratios(medians, "core", "GradScaler loops against the functional core",
                targets={"torch_style": 1.10, "paddle_style": 1.10})
 
