@@ -282,67 +282,6 @@ def test_loop_compiles_once():
   assert (update._cache_size(), facade._unscale_and_check._cache_size()) == sizes
 
 
-# ---------------------------------------------------------------------------------------------
-# With jaxamp.OptimWrapper: step/minimize unscale, check and apply in one jitted call.
-
-
-def _wrapper_trajectory(opt, factors, how):
-  from tests.test_grad_scaler import X, _loss2
-  scaler = jaxamp.paddle.GradScaler(init_loss_scaling=2.0**10, incr_every_n_steps=2,
-                                    decr_every_n_nan_or_inf=2)
-  out = []
-  with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes float and int32
-    for f in factors:
-      opt.backward(scaler.scale(_loss2), X, jnp.float32(f))
-      if how == "minimize":
-        scaler.minimize(opt)
-      else:
-        if how == "unscale":
-          scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
-      grads = opt.grads
-      opt.zero_grad()
-      sd = scaler.state_dict()
-      out.append((_bits((opt.params, opt.opt_state, grads)), float(sd["scale"][0]),
-                  sd["incr_count"], sd["decr_count"]))
-  return out
-
-
-@pytest.mark.parametrize("how", ["minimize", "step", "unscale"])
-@pytest.mark.parametrize("tx", ["sgd_momentum_clip", "adam"])
-def test_fused_step_is_bit_identical_to_unscale_then_apply(how, tx):
-  from tests.test_grad_scaler import P0, _two_calls
-  make = {"sgd_momentum_clip": lambda cls: cls(optax.sgd(0.25, momentum=0.9), P0,
-                                               clip_grad=dict(max_norm=0.5)),
-          "adam": lambda cls: cls(optax.adam(0.1), P0)}[tx]
-  factors = [1.0, np.inf, 1.0, np.nan, -np.inf, 1.0, 1.0, 1.0, 1.0, np.nan, 2.0**100, 1.0]
-  fused, two = make(jaxamp.OptimWrapper), make(_two_calls(jaxamp.OptimWrapper))
-  expected = _wrapper_trajectory(two, factors, how)
-  assert _wrapper_trajectory(fused, factors, how) == expected
-  assert len({s for _, s, _, _ in expected}) > 2  # the scale went down and up
-  if how == "unscale":  # an explicit unscale_: the step applies what it left
-    assert "apply_scaled" not in fused._trace_counts
-  else:
-    assert fused._trace_counts == {"grad": 1, "apply_scaled": 1}
-  assert "apply_scaled" not in two._trace_counts
-
-
-def test_wrapper_loop_compiles_once():
-  from jaxamp._src.facade import torch as facade
-  opt = jaxamp.OptimWrapper(SGD, W0)
-  scaler = jaxamp.paddle.GradScaler(init_loss_scaling=2.0**10, incr_every_n_steps=3)
-  loss = lambda p, x: jnp.sum(p["w"] * x)
-  unscale_size = facade._unscale_and_check._cache_size()
-  for i in range(60):
-    opt.backward(scaler.scale(loss), jnp.array([np.inf if i % 7 == 3 else 1.0, 2.0, -1.0]))
-    scaler.minimize(opt)
-    opt.zero_grad()
-  assert opt._trace_counts == {"grad": 1, "apply_scaled": 1}
-  assert facade.update_fn(scaler._rule)._cache_size() == 1
-  assert facade._unscale_and_check._cache_size() == unscale_size
-
-
 def test_the_loop_never_reads_device_values(monkeypatch):
   from tests.test_grad_scaler import _forbid_host_reads
   opt = jaxamp.OptimWrapper(SGD, W0)

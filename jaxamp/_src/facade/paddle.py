@@ -35,8 +35,7 @@ class GradScaler:
   optional ``scaler.unscale_(opt)`` before ``step`` (to clip unscaled
   gradients). ``opt`` is a :class:`jaxamp.OptimWrapper` or any object with
   its protocol (``params``, ``opt_state``, settable ``grads``, ``backward``,
-  ``apply_gradients(grads=None, *, skip=None)``, optionally the fused
-  ``apply_scaled_gradients(scale)`` that ``step`` and ``minimize`` then use).
+  ``apply_gradients(grads=None, *, skip=None)``).
 
   The rule (Paddle's, from the flags of the iteration's steps)::
 
@@ -227,15 +226,6 @@ class GradScaler:
 
   def _apply(self, optimizer: Any, record: _torch.OptimizerRecord) -> None:
     if record.stage is _torch.OptState.READY:
-      # One jitted call when the holder can unscale, check and apply at once.
-      found_inf = None
-      if type(self).unscale_ is GradScaler.unscale_:
-        found_inf = _torch.apply_scaled(optimizer, optimizer.grads, self._state.scale)
-      if found_inf is not None:
-        record.found_inf = found_inf
-        record.stage = _torch.OptState.UNSCALED
-        self._pending.append(found_inf)
-        return
       self.unscale_(optimizer)
     if optimizer.grads is not None:  # without gradients Paddle's step changes nothing
       optimizer.apply_gradients(skip=record.found_inf)
@@ -245,9 +235,6 @@ class GradScaler:
     """Unscales (unless :meth:`unscale_` did) and applies the gradients unless one is inf/nan.
 
     The decision stays on the device (``apply_gradients(skip=found_inf)``).
-    When :meth:`unscale_` was not called, a holder with
-    ``apply_scaled_gradients`` (:class:`jaxamp.OptimWrapper`) unscales, checks
-    and applies in that one jitted call, with the same results.
     Call :meth:`update` afterwards (with ``use_dynamic_loss_scaling=False``
     the stage is reset here already, as in Paddle).
 

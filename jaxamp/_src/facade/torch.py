@@ -17,15 +17,7 @@ or any object with the same protocol,
 * ``apply_gradients(grads=None, *, skip=None)``: one jitted call that clips (per
   the holder's configuration), runs the optax update and applies it. When
   ``skip`` (a device boolean scalar) is true, ``params`` and ``opt_state`` stay
-  bit-identical, without a host sync;
-* optional, ``apply_scaled_gradients(scale)``: the fused form of ``unscale_``
-  followed by ``apply_gradients(skip=found_inf)``: one jitted call that divides
-  ``grads`` by ``scale`` exactly as :func:`jaxamp._src.numerics.unscale` does,
-  checks them, clips, updates and applies unless one is inf/nan, leaves the
-  unscaled gradients in ``grads`` and returns ``found_inf`` (a device boolean
-  scalar), or ``NotImplemented`` having changed nothing. ``step`` uses it when
-  ``unscale_`` was not called explicitly; the results are bit-identical to the
-  two calls, with one pass over the gradients and one dispatch fewer.
+  bit-identical, without a host sync.
 
 PyTorch's ``scaler.scale(loss).backward()`` is spelled
 ``opt.backward(scaler.scale(loss_fn), batch)``.
@@ -159,35 +151,7 @@ def is_array(x: Any) -> bool:
 
 
 def has_float16_leaf(tree: Any) -> bool:
-  for leaf in jax.tree.leaves(tree):
-    dtype = leaf.dtype if is_array(leaf) else jnp.result_type(leaf)
-    if dtype == jnp.float16:
-      return True
-  return False
-
-
-def apply_scaled(optimizer: Any, grads: Any, scale: jax.Array) -> Optional[jax.Array]:
-  """Steps ``optimizer`` with its fused ``apply_scaled_gradients(scale)``, when it has one.
-
-  ``grads`` are the holder's current gradients (already read by the caller).
-  Returns the device ``found_inf`` of the fused call, or ``None`` when it
-  did not run (no such method, no gradients, or the method returned
-  ``NotImplemented``): the holder is unchanged then, and the caller unscales
-  and applies in two calls.
-
-  Raises:
-    TypeError: when the method returns something else than a boolean scalar.
-  """
-  fused = getattr(optimizer, "apply_scaled_gradients", None)
-  if fused is None or grads is None or not jax.tree.leaves(grads):
-    return None
-  found_inf = fused(scale)
-  if found_inf is NotImplemented:
-    return None
-  if not (is_array(found_inf) and found_inf.shape == () and found_inf.dtype == jnp.bool_):
-    raise TypeError(f"{type(optimizer).__name__}.apply_scaled_gradients must return a boolean "
-                    f"scalar array (found_inf) or NotImplemented, got {found_inf!r}")
-  return found_inf
+  return any(jnp.result_type(leaf) == jnp.float16 for leaf in jax.tree.leaves(tree))
 
 
 class ScaledLoss:
@@ -299,9 +263,7 @@ class GradScaler:
   into ``grads``, taking ``loss_fn`` as a jit pytree argument) and
   ``apply_gradients(grads=None, *, skip=None)`` (one jitted clip + optax
   update + apply, leaving everything bit-identical when the device boolean
-  ``skip`` is true); optionally ``apply_scaled_gradients(scale)``, which
-  ``step`` then uses to unscale, check and apply in one call (see the module
-  notes).
+  ``skip`` is true).
 
   The update rule is PyTorch's, with the scale arithmetic done as PyTorch
   does it (in float64, rounded to float32)::
@@ -530,11 +492,7 @@ class GradScaler:
 
     Calls ``optimizer.apply_gradients(*args, skip=found_inf, **kwargs)``: the
     decision to skip stays on the device, so nothing waits for the step.
-    Extra arguments are forwarded to ``apply_gradients``. Without them, and
-    when :meth:`unscale_` was not called this iteration, a holder with
-    ``apply_scaled_gradients`` (:class:`jaxamp.OptimWrapper`) unscales, checks
-    and applies in that one jitted call instead, with the same results and
-    the same unscaled ``grads`` left behind.
+    Extra arguments are forwarded to ``apply_gradients``.
 
     Returns:
       ``None``, always (see the class notes).
@@ -549,33 +507,17 @@ class GradScaler:
       return None
     if "closure" in kwargs:
       raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-    state = self._check_scale_growth_tracker("step")
+    self._check_scale_growth_tracker("step")
     record = self._per_optimizer_states[id(optimizer)]
     if record.stage is OptState.STEPPED:
       raise RuntimeError("step() has already been called since the last update().")
     if record.stage is OptState.READY:
-      if self._fuses(args, kwargs):
-        grads = optimizer.grads
-        if not has_float16_leaf(grads):  # float16: unscale_ raises
-          found_inf = apply_scaled(optimizer, grads, state.scale)
-          if found_inf is not None:
-            record.found_inf = found_inf
-            record.stage = OptState.STEPPED
-            return None
       self.unscale_(optimizer)
     if record.found_inf is None:
       raise AssertionError("No inf checks were recorded for this optimizer.")
     optimizer.apply_gradients(*args, skip=record.found_inf, **kwargs)
     record.stage = OptState.STEPPED
     return None
-
-  def _fuses(self, args: tuple, kwargs: dict) -> bool:
-    """Whether ``step`` may unscale and apply in one call (``apply_scaled_gradients``).
-
-    Not when ``step`` forwards arguments to ``apply_gradients``, nor when a
-    subclass overrides ``unscale_`` (it must see every unscale).
-    """
-    return not args and not kwargs and type(self).unscale_ is GradScaler.unscale_
 
   def update(self, new_scale: Any = None) -> None:
     """Adjusts the scale for the next iteration (or sets it) and resets every optimizer's stage.
