@@ -565,11 +565,6 @@ class OptimWrapper:
     applies the updates. With ``skip``, a device boolean scalar, the
     parameters and ``opt_state`` stay bit-identical where it is true: a
     selection on the device, no host sync.
-  * optional, ``apply_scaled_gradients(scale)``: the fused form of a
-    scaler's unscale followed by ``apply_gradients(skip=found_inf)``, in one
-    jitted call; returns ``found_inf``, a device boolean scalar, or
-    ``NotImplemented`` (see :meth:`apply_scaled_gradients`). A holder without
-    it is stepped in two calls, with the same results.
 
   **Learning rates.** ``get_lr()``, ``get_momentum()`` and ``param_groups``
   read the hyperparameters from ``optax.inject_hyperparams`` states found
@@ -703,8 +698,6 @@ class OptimWrapper:
         fn = jax.jit(functools.partial(self._fused_impl, name), static_argnums=(5,))
       elif name in ("apply", "apply_skip"):
         fn = jax.jit(functools.partial(self._apply_impl, name))
-      elif name == "apply_scaled":
-        fn = jax.jit(functools.partial(self._apply_scaled_impl, name))
       else:  # pragma: no cover
         raise KeyError(name)
       self._jits[name] = fn
@@ -766,18 +759,6 @@ class OptimWrapper:
   def _apply_impl(self, name, params, state, grads, skip=None):
     self._count_trace(name)
     return self._update(params, state, grads, skip)
-
-  def _apply_scaled_impl(self, name, params, state, grads, scale):
-    """Traced: unscale, check, then ``_update`` with ``skip=found_inf``, in one program."""
-    self._count_trace(name)
-    grads = numerics.unscale(grads, scale)
-    found_inf = jnp.logical_not(numerics.all_finite(grads))
-    # The same step in both branches: the cond only makes XLA materialize the unscaled
-    # gradients as its operands. Fused into the update, the unscale's multiplication
-    # would be contracted with the update's additions (fma), changing last bits.
-    step = lambda: self._update(params, state, grads, found_inf)
-    params, state, norm = lax.cond(found_inf, step, step)
-    return params, state, norm, grads, found_inf
 
   def _fused_impl(self, name, params, state, buffer, dynamic, factor, spec):
     self._count_trace(name)
@@ -980,59 +961,6 @@ class OptimWrapper:
                          f"{skip.shape}")
       result = self._jitted("apply_skip")(self._params, self._state, grads, skip)
     self._commit_step(*result)
-
-  def apply_scaled_gradients(self, scale: Any) -> Any:
-    """Unscales :attr:`grads` by ``scale`` and applies them unless one is inf/nan, in one jitted call.
-
-    The fused form of what a scaler does in two calls: divide the gradients
-    by ``scale`` (as :func:`jaxamp._src.numerics.unscale`, bit for bit as
-    PyTorch's ``unscale_``), check them, then ``apply_gradients(skip=found_inf)``:
-    one dispatch instead of two, no separate unscale program, and results
-    bit-identical to the two calls. :attr:`grads` is left holding the unscaled
-    gradients, as after a scaler's ``unscale_``. :class:`jaxamp.GradScaler`
-    and ``jaxamp.paddle.GradScaler`` call it from ``step`` when ``unscale_``
-    was not called explicitly.
-
-    Args:
-      scale: the loss scale, a float32 scalar (a device array: no host sync).
-
-    Returns:
-      ``found_inf``, a device boolean scalar: whether an unscaled gradient is
-      inf or nan (the step was skipped then). ``NotImplemented``, with nothing
-      changed, when there is no fused form to run: no gradients, an
-      ``apply_gradients`` overridden by a subclass, or
-      ``clip_grad=dict(..., error_if_nonfinite=True)`` (whose check raises
-      from the step, after the scaler must have recorded ``found_inf``); the
-      caller then unscales and applies in two calls.
-
-    Raises:
-      ValueError: ``scale`` is not a scalar.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax, jaxamp
-      >>> wrapper = jaxamp.OptimWrapper(optax.sgd(0.5), {'w': jnp.ones(2)})
-      >>> wrapper.grads = {'w': jnp.array([8.0, 4.0])}  # gradients of a loss scaled by 4
-      >>> wrapper.apply_scaled_gradients(jnp.float32(4.0))
-      Array(False, dtype=bool)
-      >>> wrapper.params['w'], wrapper.grads['w']
-      (Array([0. , 0.5], dtype=float32), Array([2., 1.], dtype=float32))
-      >>> wrapper.grads = {'w': jnp.array([jnp.inf, 4.0])}
-      >>> wrapper.apply_scaled_gradients(jnp.float32(4.0)), wrapper.params['w']  # skipped
-      (Array(True, dtype=bool), Array([0. , 0.5], dtype=float32))
-    """
-    grads = self._grads
-    if (grads is None or type(self).apply_gradients is not OptimWrapper.apply_gradients
-        or (self._clip is not None and self._clip.error_if_nonfinite)):
-      return NotImplemented
-    if not (isinstance(scale, jax.Array) and scale.dtype == jnp.float32):
-      scale = jnp.asarray(scale, jnp.float32)
-    if scale.shape != ():
-      raise ValueError(f"scale must be a scalar, got shape {scale.shape}")
-    params, state, norm, grads, found_inf = self._jitted("apply_scaled")(
-        self._params, self._state, grads, scale)
-    self._grads = grads
-    self._commit_step(params, state, norm)
-    return found_inf
 
   def _commit_step(self, params: Any, state: Any, norm: Optional[jax.Array]) -> None:
     if self._clip is not None and self._clip.error_if_nonfinite and norm is not None:
