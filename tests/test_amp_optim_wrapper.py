@@ -272,3 +272,84 @@ def test_loading_other_scaler_factors_rebuilds_once():
   run(wrapper, [False, False])
   assert wrapper.get_scale() == 128.0
   assert wrapper.state_dict()["loss_scaler"]["growth_factor"] == 4.0
+
+
+# -- donate=True: in-place buffers, identical numerics ----------------------------------------
+
+DONATE_PATTERN = (False, True, False, False, "nan", False, True, True, False, False)
+
+
+def nan_loss(params, x, bad):
+  poison = jnp.where(bad == 2, jnp.float32(jnp.nan), jnp.where(bad == 1, jnp.float32(jnp.inf),
+                                                               jnp.float32(1.0)))
+  return jnp.sum(params["w"] * x + params["b"]) * poison
+
+
+def _bits(tree):
+  return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(tree)]
+
+
+def _code(bad):
+  return jnp.int32({False: 0, True: 1, "nan": 2}[bad])
+
+
+@pytest.mark.parametrize("kind", ["amp", "amp_acc", "plain_skip"])
+def test_donate_is_bit_identical_to_the_default(kind):
+  runs = []
+  for donate in (False, True):
+    params = {"w": jnp.asarray([1.0, -2.0, 0.5], jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    tx = optax.sgd(0.05, momentum=0.9)
+    clip = dict(max_norm=1.0)
+    if kind == "plain_skip":
+      wrapper = jaxamp.OptimWrapper(tx, params, clip_grad=clip, donate=donate)
+    else:
+      wrapper = jaxamp.AmpOptimWrapper(
+          tx, params, clip_grad=clip, loss_scale=dict(init_scale=8.0, growth_interval=2),
+          accumulative_counts=2 if kind == "amp_acc" else 1, donate=donate)
+    trace = []
+    for bad in DONATE_PATTERN:
+      x = jnp.asarray([1.0, 2.0, 3.0], jnp.float32)
+      if kind == "plain_skip":
+        wrapper.backward(nan_loss, x, _code(bad))
+        wrapper.apply_gradients(skip=jnp.asarray(bad is not False))
+        wrapper.zero_grad()
+      else:
+        wrapper.update_params(nan_loss, x, _code(bad))
+      scale = wrapper.get_scale() if kind != "plain_skip" else 1.0
+      trace.append((_bits(wrapper.params), _bits(wrapper.state_dict()["state"]), scale,
+                    _bits(wrapper.last_grad_norm)))
+    runs.append(trace)
+  assert runs[0] == runs[1]
+
+
+def test_donate_invalidates_held_arrays_but_not_state_dict():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1, momentum=0.9), w_params(), donate=True)
+  assert wrapper.donate
+  wrapper.update_params(bad_loss, X, jnp.asarray(False))
+  old_params, old_state = wrapper.params, wrapper.opt_state
+  saved = wrapper.state_dict()
+  wrapper.update_params(bad_loss, X, jnp.asarray(False))
+  with pytest.raises(RuntimeError, match="deleted"):
+    np.asarray(old_params["w"])
+  with pytest.raises(RuntimeError, match="deleted"):
+    np.asarray(jax.tree.leaves(old_state)[-1])
+  for leaf in jax.tree.leaves(saved["state"]):
+    np.asarray(leaf)  # still readable
+  wrapper.load_state_dict(saved)
+  wrapper.update_params(bad_loss, X, jnp.asarray(False))
+  np.asarray(wrapper.params["w"])
+
+
+def test_donate_compiles_once_in_a_100_step_loop():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.01), w_params(), accumulative_counts=2,
+                                   clip_grad=dict(max_norm=1.0), donate=True)
+  for i in range(100):
+    wrapper.update_params(bad_loss, X, jnp.asarray(i % 7 == 3))
+  counts = dict(wrapper._trace_counts)  # pylint: disable=protected-access
+  assert counts and all(v == 1 for v in counts.values()), counts
+  assert np.all(np.isfinite(np.asarray(wrapper.params["w"])))
+
+
+def test_donate_must_be_a_bool():
+  with pytest.raises(TypeError, match="donate"):
+    jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), donate=1)

@@ -318,3 +318,13 @@ def test_amp_from_config_with_flax_nnx_state():
     assert float(loss_fn(wrapper.params, x, y)) < first
   assert jax.tree.leaves(wrapper.params)[0].dtype == jnp.float32
   assert dict(wrapper._trace_counts) == {"grad": 1, "fused_acc": 1}
+
+
+def test_donate_is_accepted_in_the_config():
+  params = {"w": jnp.ones((2,), jnp.float32)}
+  for kind in ("OptimWrapper", "AmpOptimWrapper"):
+    wrapper = jaxamp.build_optim_wrapper(
+        params, dict(type=kind, optimizer=dict(type="SGD", lr=0.1), donate=True))
+    assert wrapper.donate
+  default = jaxamp.build_optim_wrapper(params, dict(optimizer=dict(type="SGD", lr=0.1)))
+  assert not default.donate

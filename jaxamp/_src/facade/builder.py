@@ -618,8 +618,9 @@ def paramwise_groups(params: Any, paramwise: dict, base_lr: Optional[float],
 # build_optim_wrapper
 # -------------------------------------------------------------------------------------------------
 
-_WRAPPER_KEYS = {"OptimWrapper": ("accumulative_counts", "clip_grad"),
-                 "AmpOptimWrapper": ("accumulative_counts", "clip_grad", "loss_scale", "dtype")}
+_WRAPPER_KEYS = {"OptimWrapper": ("accumulative_counts", "clip_grad", "donate"),
+                 "AmpOptimWrapper": ("accumulative_counts", "clip_grad", "donate", "loss_scale",
+                                     "dtype")}
 _META_KEYS = ("type", "optimizer", "paramwise_cfg", "constructor")
 
 
@@ -791,8 +792,8 @@ def build_optim_wrapper(params: Any, cfg: Mapping[str, Any]) -> mmengine.OptimWr
       transformation when there is no ``paramwise_cfg``),
       ``paramwise_cfg``, ``constructor`` (only
       ``'DefaultOptimWrapperConstructor'``), and the wrapper's arguments
-      (``accumulative_counts``, ``clip_grad``; ``loss_scale``, ``dtype`` for
-      ``AmpOptimWrapper``). The dict is not mutated.
+      (``accumulative_counts``, ``clip_grad``, ``donate``; ``loss_scale``,
+      ``dtype`` for ``AmpOptimWrapper``). The dict is not mutated.
 
   Returns:
     The wrapper.

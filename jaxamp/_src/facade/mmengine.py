@@ -599,6 +599,22 @@ class OptimWrapper:
     clip_grad: ``None``, ``dict(max_norm=..., norm_type=2.0,
       error_if_nonfinite=False)`` (``type='norm'``, the default) or
       ``dict(type='value', clip_value=...)``. Not mutated.
+    donate: opt-in buffer donation (see **Donation** below). ``False`` (the
+      default) never invalidates an array the user holds.
+
+  **Donation** (``donate=True``). The jitted step donates the wrapper's own
+  parameters and optimizer state, and ``backward`` donates the accumulated
+  gradients it adds to, so XLA updates them in place (as PyTorch's
+  ``optimizer.step()`` updates tensors in place) instead of allocating fresh
+  buffers each step; skipped steps are selected with ``lax.cond`` rather than
+  an elementwise select. The numerics are identical to ``donate=False`` bit
+  for bit. **Arrays previously read from the wrapper are invalidated**:
+  ``params``, ``opt_state``, ``grads``, ``loss_scaler`` (and the arrays
+  passed to the constructor or assigned to ``params``/``grads``, which the
+  wrapper then owns) are deleted by the next step or ``backward``, and
+  reading them raises JAX's "Array has been deleted" ``RuntimeError``. Copy
+  what must outlive a step (``jax.tree.map(jnp.copy, wrapper.params)``).
+  :meth:`state_dict` returns on-device copies then, so checkpoints stay valid.
 
   Raises:
     AssertionError: (also a ``ValueError``/``TypeError``) where mmengine
@@ -622,7 +638,11 @@ class OptimWrapper:
   """
 
   def __init__(self, optimizer: optax.GradientTransformation, params: Any, *,
-               accumulative_counts: int = 1, clip_grad: Optional[dict] = None):
+               accumulative_counts: int = 1, clip_grad: Optional[dict] = None,
+               donate: bool = False):
+    if not isinstance(donate, bool):
+      raise TypeError(f"donate must be a bool, got {donate!r}")
+    self._donate = donate
     if (isinstance(accumulative_counts, bool)
         or not isinstance(accumulative_counts, numbers.Integral)):
       raise _AssertionTypeError(
@@ -689,15 +709,32 @@ class OptimWrapper:
   def _count_trace(self, name: str) -> None:
     self._trace_counts[name] += 1
 
+  @property
+  def donate(self) -> bool:
+    """Whether the jitted steps donate the wrapper's buffers (see the class notes)."""
+    return self._donate
+
   def _jitted(self, name: str) -> Callable:
     fn = self._jits.get(name)
     if fn is None:
+      # Only buffers that an output of the same shape can reuse are donated
+      # (XLA warns about the others): params and state into the new params
+      # and state, the accumulated gradients into the new sum.
+      donated: Tuple[int, ...] = ()
       if name in ("grad", "grad_acc"):
-        fn = jax.jit(functools.partial(self._grad_impl, name), static_argnums=(5,))
+        if self._donate and name == "grad_acc":
+          donated = (1,)
+        fn = jax.jit(functools.partial(self._grad_impl, name), static_argnums=(5,),
+                     donate_argnums=donated)
       elif name in ("fused", "fused_acc"):
-        fn = jax.jit(functools.partial(self._fused_impl, name), static_argnums=(5,))
+        if self._donate:
+          donated = (0, 1)
+        fn = jax.jit(functools.partial(self._fused_impl, name), static_argnums=(5,),
+                     donate_argnums=donated)
       elif name in ("apply", "apply_skip"):
-        fn = jax.jit(functools.partial(self._apply_impl, name))
+        if self._donate:
+          donated = (0, 1)
+        fn = jax.jit(functools.partial(self._apply_impl, name), donate_argnums=donated)
       else:  # pragma: no cover
         raise KeyError(name)
       self._jits[name] = fn
@@ -756,8 +793,36 @@ class OptimWrapper:
           skip, self._opt_of(state), self._opt_of(new_state)))
     return _constrain(new_params, self._shardings), new_state, norm
 
+  def _skipped_update(self, params, state, grads):
+    """Traced: what :meth:`_update` returns on a skipped step (params and opt state unchanged).
+
+    The clipping state (with the norm) is advanced as on an applied step.
+    """
+    norm = None
+    if self._clip is not None:
+      clip_state = self._inner_of(state)[0]
+      _, clip_state = self._clip.transformation().update(
+          _constrain(grads, self._shardings), clip_state, params)
+      state = self._with_inner(state, (clip_state, self._opt_of(state)))
+      if self._clip.kind == "norm":
+        norm = clip_state.total_norm
+    return params, state, norm
+
+  def _cond_update(self, params, state, grads, skip):
+    """Traced: :meth:`_update` with ``skip`` chosen by ``lax.cond`` (for donated buffers).
+
+    A select keeps both the old and the new buffers alive, so donated
+    buffers cannot be updated in place; a conditional runs one branch only.
+    The applied branch is :meth:`_update` itself, so the numerics are equal.
+    """
+    if skip is None:
+      return self._update(params, state, grads, None)
+    return lax.cond(skip, self._skipped_update, lambda p, s, g: self._update(p, s, g, None),
+                    params, state, grads)
   def _apply_impl(self, name, params, state, grads, skip=None):
     self._count_trace(name)
+    if self._donate:
+      return self._cond_update(params, state, grads, skip)
     return self._update(params, state, grads, skip)
 
   def _fused_impl(self, name, params, state, buffer, dynamic, factor, spec):
@@ -1158,13 +1223,18 @@ class OptimWrapper:
   def state_dict(self) -> dict:
     """``{'state': <optax state of optimizer>, 'param_groups': [...]}``.
 
-    ``state`` holds device arrays (no copy, shardings kept); ``param_groups``
-    the groups' names and hyperparameters as Python values.
+    ``state`` holds device arrays (no copy, shardings kept; with
+    ``donate=True`` on-device copies, so that the next step, which donates
+    the wrapper's buffers, leaves them valid); ``param_groups`` the groups'
+    names and hyperparameters as Python values.
     """
     groups = []
     for group in self.param_groups:
       groups.append({k: group[k] for k in group})
-    return {"state": self.opt_state, "param_groups": groups}
+    state = self.opt_state
+    if self._donate:
+      state = jax.tree.map(jnp.copy, state)
+    return {"state": state, "param_groups": groups}
 
   def _prepare_load(self, state_dict: Any) -> Callable[[], None]:
     """Validates ``state_dict`` fully; returns the function that installs it."""
@@ -1399,6 +1469,8 @@ class AmpOptimWrapper(OptimWrapper):
       ``'float64'`` or a floating dtype.
     accumulative_counts: as :class:`OptimWrapper`.
     clip_grad: as :class:`OptimWrapper`.
+    donate: as :class:`OptimWrapper` (buffer donation; invalidates arrays
+      read from the wrapper at the next step).
 
   Raises:
     TypeError: ``loss_scale`` of another type (mmengine's message) or
@@ -1424,13 +1496,14 @@ class AmpOptimWrapper(OptimWrapper):
 
   def __init__(self, optimizer: optax.GradientTransformation, params: Any, *,
                loss_scale: Union[str, float, dict] = "dynamic", dtype: Any = None,
-               accumulative_counts: int = 1, clip_grad: Optional[dict] = None):
+               accumulative_counts: int = 1, clip_grad: Optional[dict] = None,
+               donate: bool = False):
     self._scaler = _parse_loss_scale(loss_scale)
     self.cast_dtype = self._parse_dtype(dtype)
     self._amp_policy = (None if self.cast_dtype is None else
                         policy_lib.Policy(jnp.float32, self.cast_dtype, jnp.float32))
     super().__init__(optimizer, params, accumulative_counts=accumulative_counts,
-                     clip_grad=clip_grad)
+                     clip_grad=clip_grad, donate=donate)
 
   def _parse_dtype(self, dtype: Any) -> Optional[jnp.dtype]:
     if dtype is None:
@@ -1484,6 +1557,8 @@ class AmpOptimWrapper(OptimWrapper):
     updates, new_state = self._tx.update(grads, state, params)
     new_params = optax.apply_updates(params, updates)
     # A skipped step leaves the params bit-identical (even -0.0, which + 0 would turn to 0.0).
+    # (Kept as a select with donation too: a conditional here would split the update from the
+    # addition and change the rounding, e.g. where XLA contracts them into one multiply-add.)
     new_params = numerics.select_tree(new_state.skipped, params, new_params)
     norm = None
     if self._clip is not None and self._clip.kind == "norm":
@@ -1498,6 +1573,14 @@ class AmpOptimWrapper(OptimWrapper):
       new_params = numerics.select_tree(skip, params, new_params)
       new_state = numerics.select_tree(skip, state, new_state)
     return _constrain(new_params, self._shardings), new_state, norm
+
+  def _skipped_update(self, params, state, grads):
+    if not self._scaling:
+      return super()._skipped_update(params, state, grads)
+    norm = None
+    if self._clip is not None and self._clip.kind == "norm":
+      norm = clipping.total_grad_norm(numerics.unscale(grads, state.scale), self._clip.norm_type)
+    return params, state, norm
 
   def _cast_fn(self) -> Callable[[Any], Any]:
     policy = self._amp_policy
