@@ -724,3 +724,63 @@ def test_random_call_sequences_match_pytorch(seed):
     for tp, jo in zip(t_params, j_opts):
       np.testing.assert_array_equal(tp.detach().numpy(), jo.params["w"])
     assert ts.state_dict() == js.state_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# A donating holder (OptimWrapper(donate=True)): same trajectory, gradients unscaled in place.
+
+
+def _poisoned_loss(params, x, code):
+  poison = jnp.where(code == 2, jnp.float32(jnp.nan),
+                     jnp.where(code == 1, jnp.float32(jnp.inf), jnp.float32(1.0)))
+  return jnp.sum(jnp.tanh(params["w"] * x) ** 2) * poison
+
+
+def _torch_loop(donate, codes, clip):
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9), jax.tree.map(jnp.copy, W0), donate=donate)
+  scaler = jaxamp.GradScaler(init_scale=2.0**4, growth_interval=2)
+  x = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
+  out = []
+  for code in codes:
+    opt.zero_grad()
+    opt.backward(scaler.scale(_poisoned_loss), x, jnp.int32(code))
+    if clip:
+      scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    out.append((_bits(opt.params), _bits(opt.opt_state), scaler.get_scale()))
+  return out, opt
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_donating_holder_is_bit_identical(clip):
+  codes = [0, 1, 0, 0, 2, 0, 1, 1, 0, 0]
+  plain, _ = _torch_loop(False, codes, clip)
+  donated, _ = _torch_loop(True, codes, clip)
+  assert plain == donated
+
+
+def test_donating_holder_compiles_once_and_invalidates_held_arrays():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9), jax.tree.map(jnp.copy, W0), donate=True)
+  scaler = jaxamp.GradScaler(init_scale=2.0**4, growth_interval=3)
+  x = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
+  for i in range(100):
+    opt.zero_grad()
+    opt.backward(scaler.scale(_poisoned_loss), x, jnp.int32(int(i % 9 == 4)))
+    scaler.step(opt)
+    scaler.update()
+  counts = dict(opt._trace_counts)  # pylint: disable=protected-access
+  assert counts and all(v == 1 for v in counts.values()), counts
+  held, saved = opt.params, opt.state_dict()
+  opt.zero_grad()
+  scaled = opt.backward(scaler.scale(_poisoned_loss), x, jnp.int32(0))
+  grads = opt.grads
+  scaler.step(opt)
+  scaler.update()
+  for array in (held["w"], grads["w"]):  # params stepped in place, grads unscaled in place
+    with pytest.raises(RuntimeError, match="deleted"):
+      np.asarray(array)
+  np.asarray(scaled)
+  for leaf in jax.tree.leaves(saved["state"]):
+    np.asarray(leaf)
+  assert np.all(np.isfinite(np.asarray(opt.params["w"])))

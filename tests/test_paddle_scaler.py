@@ -383,3 +383,26 @@ def test_random_call_sequences_match_paddle(seed, capsys):
     for key in p_sd:
       np.testing.assert_array_equal(np.asarray(p_sd[key]), np.asarray(j_sd[key]), err_msg=key)
   capsys.readouterr()  # Paddle prints each decrease
+
+
+def test_donating_holder_is_bit_identical():
+  def loss(params, x, code):
+    poison = jnp.where(code == 2, jnp.float32(jnp.nan),
+                       jnp.where(code == 1, jnp.float32(jnp.inf), jnp.float32(1.0)))
+    return jnp.sum(jnp.tanh(params["w"] * x) ** 2) * poison
+
+  runs = []
+  for donate in (False, True):
+    opt = jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9),
+                              {"w": jnp.array([1.0, -2.0, 0.5], jnp.float32)}, donate=donate)
+    scaler = jaxamp.paddle.GradScaler(init_loss_scaling=16.0, incr_every_n_steps=2)
+    x = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
+    out = []
+    for code in (0, 1, 0, 0, 2, 0, 1, 1, 0, 0):
+      opt.backward(scaler.scale(loss), x, jnp.int32(code))
+      scaler.minimize(opt)
+      opt.zero_grad()
+      state = scaler._state  # pylint: disable=protected-access
+      out.append((_bits(opt.params), _bits(opt.opt_state), _bits(state)))
+    runs.append(out)
+  assert runs[0] == runs[1]

@@ -217,7 +217,8 @@ class GradScaler:
       raise RuntimeError("unscale_() is being called after step().")
     grads = optimizer.grads
     if grads is not None and jax.tree.leaves(grads):
-      unscaled, found_inf = _torch.unscale_and_check(grads, self._state.scale)
+      unscaled, found_inf = _torch.unscale_and_check(grads, self._state.scale,
+                                                     donate=_torch.holder_donates(optimizer))
       optimizer.grads = unscaled
     else:
       found_inf = jnp.zeros([], jnp.bool_)

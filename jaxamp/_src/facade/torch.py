@@ -108,14 +108,31 @@ def _unscale_and_check(grads: Any, scale: jax.Array) -> tuple[Any, jax.Array]:
   return unscaled, jnp.logical_not(numerics.all_finite(unscaled))
 
 
-def unscale_and_check(grads: Any, scale: jax.Array) -> tuple[Any, jax.Array]:
+_unscale_and_check_donated = jax.jit(_unscale_and_check.__wrapped__, donate_argnums=(0,))
+
+
+def unscale_and_check(grads: Any, scale: jax.Array, *,
+                      donate: bool = False) -> tuple[Any, jax.Array]:
   """Returns ``(grads / scale, found_inf)`` from one jitted call (no host sync).
 
   ``found_inf`` is checked on the unscaled gradients: an inf or nan stays
   one, and a finite value that the division overflows (possible only with a
-  scale below 1) is caught too, where PyTorch would step on it.
+  scale below 1) is caught too, where PyTorch would step on it. With
+  ``donate=True`` the buffers of ``grads`` are donated (unscaled in place;
+  ``grads`` is deleted).
   """
+  if donate:
+    return _unscale_and_check_donated(grads, scale)
   return _unscale_and_check(grads, scale)
+
+
+def holder_donates(optimizer: Any) -> bool:
+  """Whether ``optimizer`` owns its buffers and donates them (``donate=True``).
+
+  Its gradients are then unscaled in place: the scaled ones, which only the
+  holder references, are donated to the unscaled result.
+  """
+  return getattr(optimizer, "donate", False) is True
 
 
 @functools.lru_cache(maxsize=64)
@@ -482,7 +499,8 @@ class GradScaler:
     if grads is not None and jax.tree.leaves(grads):
       if has_float16_leaf(grads):
         raise ValueError("Attempting to unscale FP16 gradients.")
-      unscaled, found_inf = unscale_and_check(grads, state.scale)
+      unscaled, found_inf = unscale_and_check(grads, state.scale,
+                                              donate=holder_donates(optimizer))
       optimizer.grads = unscaled
       record.found_inf = found_inf
     record.stage = OptState.UNSCALED
