@@ -570,3 +570,19 @@ def test_scale_loss_of_a_function_and_zero_grad_to_zeros():
   assert wrapper.inner_count == 4
   np.testing.assert_array_equal(wrapper.grads["w"], [0.0, 0.0])
   np.testing.assert_allclose(wrapper.params["w"], 1 - np.asarray(X) / 4)
+
+
+@pytest.mark.parametrize("clip", [None, dict(max_norm=1.0), dict(type="value", clip_value=0.5)])
+def test_external_skip_by_cond_is_bit_identical_to_the_select(clip):
+  params = {"w": jnp.asarray([1.0, -0.0, 0.5], jnp.float32)}
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9), params, clip_grad=clip)
+  select = jax.jit(wrapper._update)  # pylint: disable=protected-access
+  grads_seq = ([0.5, 2.0, -1.0], [jnp.inf, 1.0, 1.0], [0.25, -3.0, 1.0], [jnp.nan, 0.0, 1.0])
+  for values, skip in zip(grads_seq, (False, True, False, True)):
+    grads = {"w": jnp.asarray(values, jnp.float32)}
+    # pylint: disable=protected-access
+    expected = select(wrapper.params, wrapper._state, grads, jnp.asarray(skip))
+    wrapper.apply_gradients(grads, skip=jnp.asarray(skip))
+    got = (wrapper.params, wrapper._state, wrapper.last_grad_norm)
+    assert ([np.asarray(x).tobytes() for x in jax.tree.leaves(got)]
+            == [np.asarray(x).tobytes() for x in jax.tree.leaves(expected)])
