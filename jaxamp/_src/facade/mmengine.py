@@ -615,6 +615,11 @@ class OptimWrapper:
   reading them raises JAX's "Array has been deleted" ``RuntimeError``. Copy
   what must outlive a step (``jax.tree.map(jnp.copy, wrapper.params)``).
   :meth:`state_dict` returns on-device copies then, so checkpoints stay valid.
+  Donation saves memory (one copy of params and state instead of two during
+  a step), which matters on accelerators; on CPU it was measured *slower*
+  (about 1.05-1.25x per step for a 2.7M-parameter MLP with Adam, jax 0.10), so
+  it is off by default. An external ``skip`` (the GradScaler protocol) is
+  chosen by ``lax.cond`` either way, which is what makes that path fast.
 
   Raises:
     AssertionError: (also a ``ValueError``/``TypeError``) where mmengine
