@@ -63,12 +63,21 @@ def _is_float(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _local_all_finite(tree: Any) -> jax.Array:
-  """Whether every floating element of ``tree`` is finite, on this device only."""
+def _leaf_finite(x: Any) -> jax.Array:
+  x = jnp.asarray(x)
+  if x.dtype.itemsize < 4:
+    # Half precision: XLA:CPU sums it in float32, and the conversion, shared with
+    # the unscaling, would be written out in full; a boolean ``all`` is cheaper.
+    return jnp.all(jnp.isfinite(x))
   # x * 0 is 0 where x is finite and nan elsewhere, so the float sum is 0 or nan:
   # it never overflows, and a float sum reduces much faster than a boolean ``all``.
-  sums = [jnp.isfinite(jnp.sum(x * 0)) for x in jax.tree.leaves(tree) if _is_float(x)]
-  return jnp.stack(sums).all() if sums else jnp.array(True)
+  return jnp.isfinite(jnp.sum(x * 0))
+
+
+def _local_all_finite(tree: Any) -> jax.Array:
+  """Whether every floating element of ``tree`` is finite, on this device only."""
+  checks = [_leaf_finite(x) for x in jax.tree.leaves(tree) if _is_float(x)]
+  return jnp.stack(checks).all() if checks else jnp.array(True)
 
 
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
@@ -191,6 +200,24 @@ def safe_increment(count: jax.Array) -> jax.Array:
   return jnp.where(count < top, count + 1, count).astype(count.dtype)
 
 
+def _huge_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return jnp.float32(1.0 / _TWO_64), jnp.float32(_TWO_64) / scale
+
+
+def _normal_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return jnp.float32(1.0), jnp.float32(1.0) / scale
+
+
+def _unscale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Two normal float32 factors whose product is ``float32(1 / scale)``, as XLA buffers.
+
+  A ``lax.cond``, not a ``where``: XLA:CPU fuses scalar code into each
+  elementwise kernel that uses it and re-runs it there for every element; a
+  conditional's results are computed once.
+  """
+  return lax.cond(scale >= _DENORMAL_RECIPROCAL, _huge_factors, _normal_factors, scale)
+
+
 def unscale(tree: Any, scale: jax.Array) -> Any:
   """Divides every floating leaf by ``scale``, bit for bit as PyTorch does.
 
@@ -200,10 +227,7 @@ def unscale(tree: Any, scale: jax.Array) -> Any:
   ``2^64 / scale``), so the result is the same as PyTorch's instead of zero.
   Each leaf is computed in float32 and cast back to its own dtype.
   """
-  scale = jnp.asarray(scale, jnp.float32)
-  huge = scale >= _DENORMAL_RECIPROCAL
-  first = jnp.where(huge, jnp.float32(1.0 / _TWO_64), jnp.float32(1.0))
-  second = jnp.where(huge, jnp.float32(_TWO_64) / scale, jnp.float32(1.0) / scale)
+  first, second = _unscale_factors(jnp.asarray(scale, jnp.float32))
 
   def one(g):
     g = jnp.asarray(g)
@@ -223,11 +247,9 @@ def _check_unscaled(grads: Any, scale: jax.Array, raw: jax.Array) -> jax.Array:
   return _local_all_finite(unscale(grads, scale))
 
 
-def _no_check(grads: Any, scale: jax.Array, raw: jax.Array) -> jax.Array:
+def _raw_answer(grads: Any, scale: jax.Array, raw: jax.Array) -> jax.Array:
   del grads, scale
-  # ``raw | True``, not a constant: under shard_map both branches of the cond
-  # must vary over the same mesh axes (those of the gradients).
-  return jnp.logical_or(raw, True)
+  return raw
 
 
 def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None) -> jax.Array:
@@ -237,7 +259,9 @@ def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None
   holds in memory: checking the unscaled ones would make XLA write them out
   first. That is exact whenever ``scale >= 1``, as unscaling then only shrinks
   values; below 1 an unscaled value may overflow, and the unscaled gradients
-  are checked as well, inside a ``lax.cond`` that is skipped otherwise.
+  are checked as well, inside a ``lax.cond`` that is skipped otherwise. The
+  answer comes out of that conditional, so that XLA computes it once rather
+  than in every elementwise kernel that selects with it.
 
   Args:
     grads: a pytree of (scaled) gradients.
@@ -246,15 +270,19 @@ def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None
 
   Returns:
     A ``bool`` scalar array.
+
+  Raises:
+    ValueError: as :func:`all_finite`.
   """
   scale = jnp.asarray(scale, jnp.float32)
+  axes = sharding.finite_reduction_axes(grads, axis_name)
   raw = _local_all_finite(grads)
-  unscaled = lax.cond(jnp.logical_and(raw, scale < 1.0), _check_unscaled, _no_check,
-                      grads, scale, raw)
-  ok = jnp.logical_and(raw, unscaled)
-  # The same reduction across devices as all_finite: ``ok`` varies over every
-  # axis the gradients vary over, so a one-leaf proxy carries that information.
-  return all_finite(jnp.where(ok, jnp.float32(0.0), jnp.float32(jnp.inf)), axis_name)
+  ok = lax.cond(jnp.logical_and(raw, scale < 1.0), _check_unscaled, _raw_answer,
+                grads, scale, raw)
+  if axes:
+    # psum of the failures, as in all_finite.
+    ok = lax.psum(jnp.logical_not(ok).astype(jnp.int32), axes) == 0
+  return ok
 
 
 def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
