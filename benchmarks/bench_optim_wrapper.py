@@ -10,6 +10,8 @@ dtype, written as:
   optax.adamw(1e-3))).update`` and ``optax.apply_updates``;
 - ``amp_wrapper``: ``jaxamp.AmpOptimWrapper(...).update_params(loss_fn, x, y)``
   with the same transformation (``accumulative_counts=1``);
+- ``amp_wrapper_donate``, ``amp_wrapper_acc4_donate``: the same with
+  ``donate=True`` (the wrapper's params, state and gradient buffer donated);
 - ``amp_wrapper_acc4`` (per micro-batch): the wrapper with
   ``accumulative_counts=4``, against ``core_acc4``, the functional core with
   ``jaxamp.accumulate_gradients(..., 4)`` in one jitted donated step.
@@ -104,14 +106,19 @@ def main() -> None:
 
   variants["core"] = run_core
 
-  wrapper = jaxamp.AmpOptimWrapper(optax.adamw(1e-3), jax.tree.map(jnp.array, params0),
-                                   clip_grad=dict(max_norm=1.0), dtype=args.dtype)
+  def amp_wrapper(donate, **kw):
+    wrapper = jaxamp.AmpOptimWrapper(optax.adamw(1e-3), jax.tree.map(jnp.array, params0),
+                                     clip_grad=dict(max_norm=1.0), dtype=args.dtype,
+                                     donate=donate, **kw)
 
-  def run_wrapper():
-    loss = wrapper.update_params(loss_fn, x, y)
-    jax.block_until_ready((wrapper.params, loss))
+    def run():
+      loss = wrapper.update_params(loss_fn, x, y)
+      jax.block_until_ready((wrapper.params, loss))
 
-  variants["amp_wrapper"] = run_wrapper
+    return wrapper, run
+
+  wrapper, variants["amp_wrapper"] = amp_wrapper(False)
+  _, variants["amp_wrapper_donate"] = amp_wrapper(True)
 
   tx4 = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(inner()), 4)
   core4_step = make_core(tx4)
@@ -133,16 +140,18 @@ def main() -> None:
     jax.block_until_ready((wrapper4.params, wrapper4.grads, loss))
 
   variants["amp_wrapper_acc4"] = run_wrapper4
+  _, variants["amp_wrapper_acc4_donate"] = amp_wrapper(True, accumulative_counts=4)
 
   print(f"{device_summary()}; MLP with {n_params / 1e6:.2f}M parameters, batch {args.batch}, "
         f"compute dtype {args.dtype}")
   medians = interleaved_medians(variants, rounds=args.rounds, inner=args.inner)
   for name, seconds in medians.items():
-    print(f"  {name:<18} {seconds * 1e3:8.2f} ms/step")
-  print_ratios({k: medians[k] for k in ("core", "amp_wrapper")}, "core",
+    print(f"  {name:<24} {seconds * 1e3:8.2f} ms/step")
+  print_ratios({k: medians[k] for k in ("core", "amp_wrapper", "amp_wrapper_donate")}, "core",
                "AmpOptimWrapper.update_params, accumulative_counts=1",
-               targets={"amp_wrapper": 1.10})
-  print_ratios({k: medians[k] for k in ("core_acc4", "amp_wrapper_acc4")}, "core_acc4",
+               targets={"amp_wrapper": 1.10, "amp_wrapper_donate": 1.10})
+  print_ratios({k: medians[k] for k in ("core_acc4", "amp_wrapper_acc4",
+                                        "amp_wrapper_acc4_donate")}, "core_acc4",
                "accumulative_counts=4, per micro-batch")
   counts = dict(wrapper._trace_counts)
   assert all(v == 1 for v in counts.values()), counts
