@@ -277,7 +277,8 @@ def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None
   scale = jnp.asarray(scale, jnp.float32)
   axes = sharding.finite_reduction_axes(grads, axis_name)
   raw = _local_all_finite(grads)
-  ok = lax.cond(jnp.logical_and(raw, scale < 1.0), _check_unscaled, _raw_answer,
+  # not (scale >= 1) rather than scale < 1: a NaN scale takes the exact path too.
+  ok = lax.cond(jnp.logical_and(raw, jnp.logical_not(scale >= 1.0)), _check_unscaled, _raw_answer,
                 grads, scale, raw)
   if axes:
     # psum of the failures, as in all_finite.
