@@ -48,31 +48,11 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
-from benchmarks.common import device_summary, interleaved_medians, print_ratios  # noqa: E402
+from benchmarks.common import (device_summary, interleaved_medians, make_mlp,  # noqa: E402
+                               mlp_loss as loss_fn, print_ratios)
 
 INIT_SCALE = 2.0**16
 GROWTH_INTERVAL = 2000
-
-
-def make_mlp(d_in: int, hidden: int, d_out: int, depth: int, seed: int = 0):
-  rng = np.random.default_rng(seed)
-  sizes = [d_in] + [hidden] * depth + [d_out]
-  params = {}
-  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-    params[f"layer_{i}"] = {
-        "w": jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.float32),
-        "b": jnp.zeros((b,), jnp.float32),
-    }
-  return params
-
-
-def loss_fn(params, x, y):
-  h = x
-  layers = [params[k] for k in sorted(params)]
-  for layer in layers[:-1]:
-    h = jax.nn.relu(h @ layer["w"] + layer["b"])
-  out = h @ layers[-1]["w"] + layers[-1]["b"]
-  return jnp.mean((out - y) ** 2)
 
 
 def _copy(tree):

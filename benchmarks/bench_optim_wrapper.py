@@ -37,28 +37,8 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
-from benchmarks.common import device_summary, interleaved_medians, print_ratios  # noqa: E402
-
-
-def make_mlp(d_in: int, hidden: int, d_out: int, depth: int, seed: int = 0):
-  rng = np.random.default_rng(seed)
-  sizes = [d_in] + [hidden] * depth + [d_out]
-  params = {}
-  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-    params[f"layer_{i}"] = {
-        "kernel": jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.float32),
-        "bias": jnp.zeros((b,), jnp.float32),
-    }
-  return params
-
-
-def loss_fn(params, x, y):
-  h = x
-  layers = [params[k] for k in sorted(params)]
-  for layer in layers[:-1]:
-    h = jax.nn.relu(h @ layer["kernel"] + layer["bias"])
-  out = h @ layers[-1]["kernel"] + layers[-1]["bias"]
-  return jnp.mean(jnp.square(out - y).astype(jnp.float32))
+from benchmarks.common import (device_summary, interleaved_medians, make_mlp,  # noqa: E402
+                               mlp_loss as loss_fn, print_ratios)
 
 
 def main() -> None:

@@ -24,6 +24,29 @@ def make_params(total: int = 4_000_000, leaves: int = 30, seed: int = 0, dtype=j
   return {f"layer_{i:02d}": jnp.asarray(rng.standard_normal(int(n)), dtype) for i, n in enumerate(sizes)}
 
 
+def make_mlp(d_in: int, hidden: int, d_out: int, depth: int, seed: int = 0):
+  """An MLP's float32 params: ``{'layer_i': {'kernel', 'bias'}}``, ``depth`` hidden layers."""
+  rng = np.random.default_rng(seed)
+  sizes = [d_in] + [hidden] * depth + [d_out]
+  params = {}
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    params[f"layer_{i}"] = {
+        "kernel": jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.float32),
+        "bias": jnp.zeros((b,), jnp.float32),
+    }
+  return params
+
+
+def mlp_loss(params, x, y):
+  """Mean squared error of the ReLU MLP of :func:`make_mlp`, reduced in float32."""
+  h = x
+  layers = [params[k] for k in sorted(params)]
+  for layer in layers[:-1]:
+    h = jax.nn.relu(h @ layer["kernel"] + layer["bias"])
+  out = h @ layers[-1]["kernel"] + layers[-1]["bias"]
+  return jnp.mean(jnp.square(out - y).astype(jnp.float32))
+
+
 def interleaved_medians(steps: Dict[str, Callable[[], None]], rounds: int = 15,
                         inner: int = 5, warmup: int = 2) -> Dict[str, float]:
   """Times each zero-argument ``step`` (which must block on its result).
@@ -67,5 +90,5 @@ def device_summary() -> str:
   return f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
 
 
-__all__: Sequence[str] = ("make_params", "interleaved_medians", "print_ratios", "block",
+__all__: Sequence[str] = ("make_params", "make_mlp", "mlp_loss", "interleaved_medians", "print_ratios", "block",
                           "device_summary")
