@@ -308,33 +308,8 @@ def test_the_loop_never_reads_device_values(monkeypatch):
 
 
 def _paddle_scaler(**kw):
-  """A paddle.amp.GradScaler enabled on CPU (Paddle enables it on accelerators only)."""
-  from unittest import mock
-
-  from tests.reference._refs import import_reference
-  paddle = import_reference("paddle")
-  module = import_reference("paddle.amp.grad_scaler")
-  real = module._dygraph_tracer
-
-  class Place:
-    def __init__(self, place):
-      self._place = place
-
-    def __getattr__(self, name):
-      return getattr(self._place, name)
-
-    def is_custom_place(self):
-      return True
-
-  class Tracer:
-    def __init__(self, tracer):
-      self._tracer, self._expected_place = tracer, Place(tracer._expected_place)
-
-    def __getattr__(self, name):
-      return getattr(self._tracer, name)
-
-  with mock.patch.object(module, "_dygraph_tracer", lambda: Tracer(real())):
-    return paddle, paddle.amp.GradScaler(**kw)
+  from tests.reference._refs import import_reference, paddle_scaler_on_cpu
+  return import_reference("paddle"), paddle_scaler_on_cpu(**kw)
 
 
 def _outcome(call):

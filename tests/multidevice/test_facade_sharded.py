@@ -10,33 +10,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from tests.multidevice import _problem
+from tests.multidevice._problem import (BAD_ROW, BAD_STEP, DIN, DOUT, INIT_SCALE, MICRO,  # noqa: F401
+                                       STEPS)
 
-MICRO, DIN, DOUT = 16, 8, 4
-STEPS, BAD_STEP, BAD_ROW = 6, 2, 5
-INIT_SCALE = 1024.0
 SPEC = {"w": P("data"), "b": P()}  # w fully sharded, b replicated
 
 
-def _params():
-  rng = np.random.default_rng(0)
-  return {"w": (rng.standard_normal((DIN, DOUT)) * 0.3).astype(np.float32),
-          "b": np.zeros((DOUT,), np.float32)}
-
-
-def _micro_batches():
-  rng = np.random.default_rng(2)
-  out = []
-  for i in range(STEPS):
-    x = rng.standard_normal((MICRO, DIN)).astype(np.float32)
-    y = rng.standard_normal((MICRO, DOUT)).astype(np.float32)
-    if i == BAD_STEP:
-      x[BAD_ROW, 0] = 1e20
-    out.append((x, y))
-  return out
-
-
-def loss_fn(p, x, y):
-  return jnp.mean((x @ p["w"] + p["b"][None, :] - y) ** 2)
+_params = _problem.params
+_micro_batches = _problem.micro_batches
+loss_fn = _problem.loss
 
 
 def _amp_run(params, put):

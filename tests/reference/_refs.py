@@ -4,6 +4,7 @@ Install them with ``pip install -e ".[reference]"`` (PyTorch CPU, mmengine, Padd
 """
 
 import warnings
+from unittest import mock
 
 import pytest
 
@@ -13,3 +14,34 @@ def import_reference(name: str):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     return pytest.importorskip(name)
+
+
+class _AnyPlace:
+  """Paddle enables its scaler only on accelerator places; its arithmetic runs on CPU as well."""
+
+  def __init__(self, place):
+    self._place = place
+
+  def __getattr__(self, name):
+    return getattr(self._place, name)
+
+  def is_custom_place(self):
+    return True
+
+
+class _Tracer:
+  def __init__(self, tracer):
+    self._tracer = tracer
+    self._expected_place = _AnyPlace(tracer._expected_place)
+
+  def __getattr__(self, name):
+    return getattr(self._tracer, name)
+
+
+def paddle_scaler_on_cpu(**kw):
+  """A ``paddle.amp.GradScaler(**kw)`` enabled on CPU (or a skip without Paddle)."""
+  paddle = import_reference("paddle")
+  module = import_reference("paddle.amp.grad_scaler")
+  real = module._dygraph_tracer
+  with mock.patch.object(module, "_dygraph_tracer", lambda: _Tracer(real())):
+    return paddle.amp.GradScaler(**kw)

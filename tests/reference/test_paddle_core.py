@@ -1,7 +1,5 @@
 """jaxamp.dynamic_loss_scale(hysteresis=n) against paddle.amp.GradScaler, step by step."""
 
-from unittest import mock
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,42 +8,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jaxamp
-from tests.reference._refs import import_reference
+from tests.reference._refs import import_reference, paddle_scaler_on_cpu
 
 paddle = import_reference("paddle")
-grad_scaler_module = import_reference("paddle.amp.grad_scaler")
 
 # Paddle converts one-element arrays to floats in a way NumPy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-class _AnyPlace:
-  """Paddle enables its scaler only on accelerator places; its arithmetic runs on CPU as well."""
-
-  def __init__(self, place):
-    self._place = place
-
-  def __getattr__(self, name):
-    return getattr(self._place, name)
-
-  def is_custom_place(self):
-    return True
-
-
-class _Tracer:
-  def __init__(self, tracer):
-    self._tracer = tracer
-    self._expected_place = _AnyPlace(tracer._expected_place)
-
-  def __getattr__(self, name):
-    return getattr(self._tracer, name)
-
-
-def make_scaler(**kw):
-  """A paddle.amp.GradScaler enabled on CPU."""
-  real = grad_scaler_module._dygraph_tracer
-  with mock.patch.object(grad_scaler_module, "_dygraph_tracer", lambda: _Tracer(real())):
-    return paddle.amp.GradScaler(**kw)
 
 
 def _paddle_run(grads_seq, **kw):
@@ -53,7 +21,7 @@ def _paddle_run(grads_seq, **kw):
                                   default_initializer=paddle.nn.initializer.Assign(
                                       np.array([1.0, -2.0, 0.5], np.float32)))
   opt = paddle.optimizer.SGD(learning_rate=0.5, parameters=[param])
-  scaler = make_scaler(**kw)
+  scaler = paddle_scaler_on_cpu(**kw)
   out = []
   for g in grads_seq:
     loss = (param * paddle.to_tensor(g)).sum()
