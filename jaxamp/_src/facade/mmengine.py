@@ -1187,12 +1187,15 @@ class OptimWrapper:
       self._defaults = {k: group[k] for k in group if k != "params"}
     return dict(self._defaults)
 
-  def _no_hyperparams_error(self, what: str) -> ValueError:
-    return ValueError(
-        f"Cannot read the {what} of this optimizer: its state holds no "
-        "optax.inject_hyperparams state. Build it as, e.g., "
-        "optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), or with "
-        "jaxamp.build_optim_wrapper, to make the hyperparameters readable and settable.")
+  def _readable_groups(self, what: str) -> List[Any]:
+    """The parameter groups, or a clear error when no hyperparameter was injected."""
+    if not any(spec.codecs for spec in self._group_specs()):
+      raise ValueError(
+          f"Cannot read the {what} of this optimizer: its state holds no "
+          "optax.inject_hyperparams state. Build it as, e.g., "
+          "optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), or with "
+          "jaxamp.build_optim_wrapper, to make the hyperparameters readable and settable.")
+    return self.param_groups
 
   def get_lr(self) -> Dict[str, List[float]]:
     """``{'lr': [learning rate of each parameter group]}`` (Python floats).
@@ -1200,11 +1203,8 @@ class OptimWrapper:
     Raises:
       ValueError: when the optimizer has no injected hyperparameters.
     """
-    groups = self.param_groups
-    if not any(spec.codecs for spec in self._group_specs()):
-      raise self._no_hyperparams_error("learning rate")
     lrs = []
-    for group in groups:
+    for group in self._readable_groups("learning rate"):
       if "lr" not in group:
         raise ValueError(f"A parameter group has no injected learning rate: {dict(group)!r}")
       lrs.append(group["lr"])
@@ -1216,11 +1216,8 @@ class OptimWrapper:
     Raises:
       ValueError: when the optimizer has no injected hyperparameters.
     """
-    groups = self.param_groups
-    if not any(spec.codecs for spec in self._group_specs()):
-      raise self._no_hyperparams_error("momentum")
     momentum = []
-    for group in groups:
+    for group in self._readable_groups("momentum"):
       if "momentum" in group:
         momentum.append(group["momentum"])
       elif "betas" in group:
