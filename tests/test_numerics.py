@@ -103,8 +103,21 @@ _check = jax.jit(numerics.unscaled_all_finite)
                                         np.nan]), min_size=1, max_size=6))
 def test_unscaled_all_finite_is_all_finite_of_the_unscaled_gradients(scale, values):
   grads = {"a": jnp.asarray(values, jnp.float32), "b": jnp.ones(3), "i": jnp.arange(2)}
-  want = bool(jaxamp.all_finite(numerics.unscale(grads, jnp.float32(scale))))
+  unscaled = numerics.unscale(grads, jnp.float32(scale))
+  want = all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(unscaled))
   assert bool(_check(grads, jnp.float32(scale))) is want
+  assert bool(jax.jit(jaxamp.all_finite)(unscaled)) is want
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**16])
+def test_a_sum_that_overflows_is_not_an_overflow(scale):
+  # The quick check sums each leaf; finite values whose sum is inf are finite.
+  grads = {"w": jnp.array([F32_MAX, F32_MAX, -1.0], jnp.float32), "b": jnp.ones(2)}
+  assert bool(jax.jit(jaxamp.all_finite)(grads)) is True
+  assert bool(_check(grads, jnp.float32(scale))) is True
+  grads["b"] = jnp.array([1.0, np.nan])
+  assert bool(jax.jit(jaxamp.all_finite)(grads)) is False
+  assert bool(_check(grads, jnp.float32(scale))) is False
 
 
 def test_unscaled_all_finite_catches_an_overflow_of_finite_gradients_below_scale_1():
@@ -236,6 +249,54 @@ def test_select_update_equals_the_naive_selection(adam_setup, monkeypatch, pred,
       np.testing.assert_array_equal(g, s)
     new_params = optax.apply_updates(params, got[0])
     np.testing.assert_array_equal(bits(new_params["w"]), bits(params["w"]))  # -0.0 stays -0.0
+
+
+def _witnesses_seen(inner, grads, params):
+  """The witnesses that ``select_update`` hands to ``pred`` for ``inner``."""
+  seen = []
+
+  def decide(witnesses):
+    seen.append([w is not None for w in witnesses])
+    return jnp.array(True)
+
+  @jax.jit
+  def run(grads):
+    with jax.numpy_dtype_promotion("standard"):
+      state = inner.init(params)
+      return numerics.select_update(decide, lambda: inner.update(grads, state, params), state,
+                                    watch=numerics.float_leaves(grads))
+
+  run(grads)
+  return seen[0]
+
+
+def test_select_update_hands_a_global_norm_clip_reduction_to_pred():
+  params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2), "s": jnp.ones(())}
+  grads = jax.tree.map(jnp.ones_like, params)
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
+  assert _witnesses_seen(clipped, grads, params) == [True, True, True]
+  # Adam reduces nothing: the scalar leaf is its own witness, the others have none.
+  assert _witnesses_seen(optax.adam(0.1), grads, params) == [False, True, False]  # b, s, w
+  # A max does not carry a nan through (max(nan, x) may be x): no witness.
+  by_max = optax.stateless(lambda u, p: jax.tree.map(lambda x: x / jnp.max(jnp.abs(x)), u))
+  maxed = optax.chain(by_max, optax.sgd(0.1))
+  assert _witnesses_seen(maxed, grads, params) == [False, True, False]
+
+
+@pytest.mark.parametrize("value", [1e30, np.nan, np.inf])
+def test_a_clipped_step_with_witnesses_decides_as_the_exact_check(value):
+  """Squares that overflow are not an overflow; nan and inf are."""
+  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+  tx = jaxamp.dynamic_loss_scale(inner, init_scale=1.0)
+  params = {"w": jnp.array([1.0, 2.0]), "b": jnp.array([0.5])}
+  grads = {"w": jnp.array([value, 1.0]), "b": jnp.array([1.0])}
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  finite = bool(np.isfinite(value))
+  assert bool(state.skipped) is (not finite)
+  if finite:  # the norm is inf: the clipped step is what the inner alone gives
+    want, _ = inner.update(grads, inner.init(params), params)
+    for u, w in zip(jax.tree.leaves(updates), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(bits(u), bits(w))
 
 
 def test_select_update_reruns_a_broken_update_to_raise_its_own_error():

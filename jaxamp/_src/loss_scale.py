@@ -227,12 +227,19 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule,
 
   def update_fn(grads, state, params=None, **extra_args):
     check_grad_dtypes(grads, "gradient")
-    finite = numerics.unscaled_all_finite(grads, state.scale, axis_name)
     unscaled = numerics.unscale(grads, state.scale)
+    checked = {}
+
+    def decide(witnesses):
+      # The quick check reuses any reduction of the unscaled gradients that the
+      # inner update makes anyway (a global-norm clip's), and sums the rest.
+      checked["finite"] = numerics.unscaled_all_finite(grads, state.scale, axis_name, witnesses)
+      return checked["finite"]
+
     updates, inner_state = numerics.select_update(
-        finite, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
-        state.inner_state)
-    found_inf = jnp.logical_not(finite)
+        decide, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
+        state.inner_state, watch=numerics.float_leaves(unscaled))
+    found_inf = jnp.logical_not(checked["finite"])
     scale, tracker, overflow = rule.adjust(state.scale, state.growth_tracker,
                                            state.overflow_count, found_inf)
     skipped_steps = jnp.where(found_inf, numerics.safe_increment(state.skipped_steps),

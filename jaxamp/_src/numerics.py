@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Hashable, Sequence, Union
+from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 import jax
 import jax.extend.core as jex_core
@@ -63,21 +63,60 @@ def _is_float(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _leaf_finite(x: Any) -> jax.Array:
-  x = jnp.asarray(x)
-  if x.dtype.itemsize < 4:
-    # Half precision: XLA:CPU sums it in float32, and the conversion, shared with
-    # the unscaling, would be written out in full; a boolean ``all`` is cheaper.
-    return jnp.all(jnp.isfinite(x))
-  # x * 0 is 0 where x is finite and nan elsewhere, so the float sum is 0 or nan:
-  # it never overflows, and a float sum reduces much faster than a boolean ``all``.
-  return jnp.isfinite(jnp.sum(x * 0))
+def float_leaves(tree: Any) -> list:
+  """The floating leaves of ``tree``, as arrays (a leaf that is one already is returned as is)."""
+  return [jnp.asarray(x) for x in jax.tree.leaves(tree) if _is_float(x)]
+
+
+def _exactly_finite(leaves: list) -> jax.Array:
+  """Whether every element of ``leaves`` is finite, by an exact (if slower) check."""
+  checks = []
+  for x in leaves:
+    if x.dtype.itemsize < 4:
+      # Half precision: XLA:CPU would sum it in float32 and write the conversion out.
+      checks.append(jnp.all(jnp.isfinite(x)))
+    else:
+      # x * 0 is 0 where x is finite and nan elsewhere: a float sum of it never
+      # overflows, and reduces faster than a boolean ``all``.
+      checks.append(jnp.isfinite(jnp.sum(x * 0)))
+  return jnp.stack(checks).all() if checks else jnp.array(True)
+
+
+def _probably_finite(leaves: list) -> jax.Array:
+  """A check that is never wrong when it says True: each leaf's plain sum is finite.
+
+  Any inf or nan makes the sum inf or nan; a sum of finite values can overflow,
+  which gives a false False that the exact check then corrects. The plain sum
+  is the cheapest reduction there is: nothing is computed before it, so XLA
+  reads each leaf once without writing anything out.
+  """
+  checks = [jnp.isfinite(jnp.sum(x)) if x.dtype.itemsize >= 4 else jnp.all(jnp.isfinite(x))
+            for x in leaves]
+  return jnp.stack(checks).all() if checks else jnp.array(True)
+
+
+def _quick_answer(quick: jax.Array, *args: Any) -> jax.Array:
+  # The quick answer (True where it is taken) rather than a constant: inside
+  # ``shard_map`` it varies over the mesh axes as the exact one does.
+  del args
+  return quick
+
+
+def _exact_answer(quick: jax.Array, leaves: list) -> jax.Array:
+  del quick
+  return _exactly_finite(leaves)
 
 
 def _local_all_finite(tree: Any) -> jax.Array:
-  """Whether every floating element of ``tree`` is finite, on this device only."""
-  checks = [_leaf_finite(x) for x in jax.tree.leaves(tree) if _is_float(x)]
-  return jnp.stack(checks).all() if checks else jnp.array(True)
+  """Whether every floating element of ``tree`` is finite, on this device only.
+
+  The quick check decides, and the exact one runs (in a ``lax.cond``) only
+  when the quick one fails. The answer comes out of the conditional, so XLA
+  computes it once rather than in every elementwise kernel that selects with it.
+  """
+  leaves = float_leaves(tree)
+  quick = _probably_finite(leaves)
+  return lax.cond(quick, _quick_answer, _exact_answer, quick, leaves)
 
 
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
@@ -108,8 +147,18 @@ def _keep(pred: jax.Array, new: Any, old: jax.Array) -> jax.Array:
   return jnp.where(pred, jnp.asarray(new).astype(dtype), old).astype(dtype)
 
 
-def select_update(pred: jax.Array, update: Callable[[], tuple[Any, Any]],
-                  old_state: Any) -> tuple[Any, Any]:
+Pred = Union[jax.Array, Callable[[list], jax.Array]]
+
+# Primitives whose result is non-finite wherever an operand is (for ``div``,
+# the numerator; for ``integer_pow``, a positive power), so that a value
+# computed from a gradient leaf through them is non-finite if the leaf is.
+_PROPAGATING = frozenset({"add", "sub", "mul", "div", "neg", "abs", "sqrt", "square", "integer_pow",
+                          "convert_element_type", "copy", "reshape", "squeeze", "expand_dims",
+                          "transpose", "broadcast_in_dim", "reduce_sum"})
+
+
+def select_update(pred: Pred, update: Callable[[], tuple[Any, Any]], old_state: Any,
+                  watch: Sequence[jax.Array] = ()) -> tuple[Any, Any]:
   """Runs an optax-style ``update()`` whose result counts only where ``pred``.
 
   Returns ``(updates, new_state)`` from ``update()`` when ``pred`` is true,
@@ -129,34 +178,68 @@ def select_update(pred: jax.Array, update: Callable[[], tuple[Any, Any]],
   are zeroed and the state is the old one either way: the result is exactly
   that of the naive selection, at the cost of the plain inner update.
 
+  ``pred`` may also be a function of *witnesses*, one per array of ``watch``
+  (arrays that ``update`` reads): a float scalar that ``update`` computes
+  before it writes any state and that is non-finite whenever that array has
+  a non-finite element (the sum of squares inside a global-norm clip), or
+  ``None`` where there is none. A finite check can then reuse a reduction
+  the update makes anyway instead of reading the arrays once more.
+
   Args:
-    pred: a ``bool`` scalar.
+    pred: a ``bool`` scalar, or a function of the list of witnesses
+      returning one.
     update: a function of no arguments returning ``(updates, new_state)``,
       ``new_state`` with the structure of ``old_state``.
     old_state: the state to keep where ``pred`` is false.
+    watch: the arrays whose witnesses ``pred`` is given.
 
   Returns:
     ``(updates, state)``.
   """
+  decide = pred if callable(pred) else lambda _: pred
   old_leaves, old_def = jax.tree.flatten(old_state)
   try:
     closed, shapes = jax.make_jaxpr(update, return_shape=True)()
-    shape_leaves, out_def = jax.tree.flatten(shapes)
+    out_def = jax.tree.structure(shapes)
     updates_def = jax.tree.structure(shapes[0])
     if jax.tree.structure(shapes[1]) != old_def:
       raise ValueError("the new state has not the structure of the old one")
-    outputs = _eval_selecting(closed, pred, updates_def.num_leaves, old_leaves)
+    outputs = _eval_selecting(closed, decide, watch, updates_def.num_leaves, old_leaves)
   except Exception:  # pylint: disable=broad-except
     # Anything the tracing cannot handle takes the plain path (which also
     # raises the genuine error of a broken ``update``).
     updates, new_state = update()
-    updates = jax.tree.map(lambda u: jnp.where(pred, u, _neg_zeros_like(u)), updates)
-    return updates, jax.tree.map(lambda n, o: _keep(pred, n, o), new_state, old_state)
-  del shape_leaves
+    ok = decide([None] * len(watch))
+    updates = jax.tree.map(lambda u: jnp.where(ok, u, _neg_zeros_like(u)), updates)
+    return updates, jax.tree.map(lambda n, o: _keep(ok, n, o), new_state, old_state)
   return jax.tree.unflatten(out_def, outputs)
 
 
-def _eval_selecting(closed: Any, pred: jax.Array, num_updates: int, old_leaves: list) -> list:
+def _witnesses(closed: Any, watch: Sequence[jax.Array], stop: int) -> list:
+  """For each array of ``watch``, the first scalar of ``closed`` among its first ``stop``
+  equations that is computed from it alone through :data:`_PROPAGATING` primitives."""
+  origin = {v: i for v, c in zip(closed.jaxpr.constvars, closed.consts)
+            for i, w in enumerate(watch) if c is w}
+  found = [None] * len(watch)
+  for v, i in origin.items():
+    if v.aval.shape == ():
+      found[i] = v
+  for eqn in closed.jaxpr.eqns[:stop]:
+    name, out = eqn.primitive.name, eqn.outvars[0]
+    operands = eqn.invars[:1] if name == "div" else eqn.invars
+    if (name not in _PROPAGATING or (name == "integer_pow" and eqn.params["y"] <= 0)
+        or not jnp.issubdtype(out.aval.dtype, jnp.inexact)):
+      continue
+    sources = {origin[v] for v in operands if isinstance(v, jex_core.Var) and v in origin}
+    if len(sources) == 1:
+      i = origin[out] = sources.pop()
+      if found[i] is None and out.aval.shape == ():
+        found[i] = out
+  return found
+
+
+def _eval_selecting(closed: Any, decide: Callable[[list], jax.Array], watch: Sequence[jax.Array],
+                    num_updates: int, old_leaves: list) -> list:
   """Evaluates ``closed`` (a jaxpr of ``update``), selecting the state where it is made."""
   jaxpr = closed.jaxpr
   state_vars = jaxpr.outvars[num_updates:]
@@ -171,6 +254,10 @@ def _eval_selecting(closed: Any, pred: jax.Array, num_updates: int, old_leaves: 
     if (isinstance(v, jex_core.Var) and v in defined and v not in swap
         and v.aval.shape == old.shape and v.aval.dtype == old.dtype):
       swap[v] = i
+  # The predicate is needed from the first selection on.
+  first = next((k for k, eqn in enumerate(jaxpr.eqns) if any(v in swap for v in eqn.outvars)),
+               len(jaxpr.eqns))
+  witnesses = _witnesses(closed, watch, first)
   env: dict = {}
 
   def read(v):
@@ -178,7 +265,10 @@ def _eval_selecting(closed: Any, pred: jax.Array, num_updates: int, old_leaves: 
 
   for v, c in zip(jaxpr.constvars, closed.consts):
     env[v] = c
-  for eqn in jaxpr.eqns:
+  pred = None
+  for k, eqn in enumerate(jaxpr.eqns):
+    if k == first:
+      pred = decide([None if w is None else read(w) for w in witnesses])
     params = eqn.primitive.get_bind_params(eqn.params)
     with eqn.ctx.manager:
       ans = eqn.primitive.bind(*[read(v) for v in eqn.invars], **params)
@@ -186,6 +276,8 @@ def _eval_selecting(closed: Any, pred: jax.Array, num_updates: int, old_leaves: 
       if v in swap:
         val = _keep(pred, val, old_leaves[swap[v]])
       env[v] = val
+  if pred is None:
+    pred = decide([None if w is None else read(w) for w in witnesses])
 
   outputs = [read(v) for v in jaxpr.outvars]
   updates = [jnp.where(pred, u, _neg_zeros_like(u)) for u in outputs[:num_updates]]
@@ -242,31 +334,32 @@ def unscale(tree: Any, scale: jax.Array) -> Any:
   return jax.tree.map(one, tree)
 
 
-def _check_unscaled(grads: Any, scale: jax.Array, raw: jax.Array) -> jax.Array:
-  del raw
-  return _local_all_finite(unscale(grads, scale))
+def _unscaled_exactly_finite(quick: jax.Array, grads: Any, scale: jax.Array) -> jax.Array:
+  del quick
+  return _exactly_finite(float_leaves(unscale(grads, scale)))
 
 
-def _raw_answer(grads: Any, scale: jax.Array, raw: jax.Array) -> jax.Array:
-  del grads, scale
-  return raw
-
-
-def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None) -> jax.Array:
+def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None,
+                        witnesses: Optional[Sequence[Optional[jax.Array]]] = None) -> jax.Array:
   """Returns ``all_finite(unscale(grads, scale), axis_name)``, reading the gradients once.
 
-  The check runs on the raw (scaled) gradients, which a jitted step already
-  holds in memory: checking the unscaled ones would make XLA write them out
-  first. That is exact whenever ``scale >= 1``, as unscaling then only shrinks
-  values; below 1 an unscaled value may overflow, and the unscaled gradients
-  are checked as well, inside a ``lax.cond`` that is skipped otherwise. The
-  answer comes out of that conditional, so that XLA computes it once rather
-  than in every elementwise kernel that selects with it.
+  The quick check sums each raw (scaled) gradient leaf, which a jitted step
+  already holds in memory: checking the unscaled ones would make XLA write
+  them out first. Finite sums prove the unscaled gradients finite whenever
+  ``scale >= 1``, as unscaling then only shrinks values. Otherwise (a sum
+  that overflowed, a genuine inf or nan, a scale below 1) the unscaled
+  gradients are checked exactly, inside a ``lax.cond`` that is skipped on a
+  good step. The answer comes out of that conditional, so that XLA computes
+  it once rather than in every elementwise kernel that selects with it.
 
   Args:
     grads: a pytree of (scaled) gradients.
     scale: the loss scale they are divided by, as :func:`unscale` does.
     axis_name: as in :func:`all_finite`.
+    witnesses: one entry per floating leaf of ``grads``: a scalar computed
+      from the *unscaled* leaf that is non-finite whenever the leaf has a
+      non-finite element (see :func:`select_update`), used by the quick check
+      instead of the leaf's own sum; or ``None``.
 
   Returns:
     A ``bool`` scalar array.
@@ -276,10 +369,15 @@ def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None
   """
   scale = jnp.asarray(scale, jnp.float32)
   axes = sharding.finite_reduction_axes(grads, axis_name)
-  raw = _local_all_finite(grads)
-  # not (scale >= 1) rather than scale < 1: a NaN scale takes the exact path too.
-  ok = lax.cond(jnp.logical_and(raw, jnp.logical_not(scale >= 1.0)), _check_unscaled, _raw_answer,
-                grads, scale, raw)
+  leaves = float_leaves(grads)
+  witnesses = [None] * len(leaves) if witnesses is None else witnesses
+  checks = [jnp.isfinite(w) for w in witnesses if w is not None]
+  raw = [x for x, w in zip(leaves, witnesses) if w is None]
+  if raw:
+    # A NaN scale fails ``scale >= 1`` and takes the exact path.
+    checks.append(jnp.logical_and(_probably_finite(raw), scale >= 1.0))
+  quick = jnp.stack(checks).all() if checks else jnp.array(True)
+  ok = lax.cond(quick, _quick_answer, _unscaled_exactly_finite, quick, grads, scale)
   if axes:
     # psum of the failures, as in all_finite.
     ok = lax.psum(jnp.logical_not(ok).astype(jnp.int32), axes) == 0
