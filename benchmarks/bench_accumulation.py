@@ -104,6 +104,8 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--size", type=int, default=4_000_000, help="number of parameters")
   parser.add_argument("--leaves", type=int, default=30, help="number of parameter leaves")
+  parser.add_argument("--shapes", choices=("model", "uneven"), default="model",
+                      help="leaf shapes: a transformer's, or 1-D of random (mostly odd) sizes")
   parser.add_argument("--every-k", type=int, default=4, help="micro-steps per optimizer step")
   parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
   parser.add_argument("--windows", type=int, default=2,
@@ -111,11 +113,11 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   k = args.every_k
 
-  params = make_params(args.size, args.leaves)
+  params = make_params(args.size, args.leaves, shapes=args.shapes)
   keys = iter(jax.random.split(jax.random.key(1), len(params)))
   grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype) * 1e-3, params)
   n = sum(p.size for p in jax.tree.leaves(params))
-  print(f"{device_summary()}; {n:,} float32 params in {len(params)} leaves; k = {k}, adam inside; "
+  print(f"{device_summary()}; {n:,} float32 params in {len(params)} {args.shapes} leaves; k = {k}, adam inside; "
         f"{args.rounds} rounds")
 
   adam = optax.adam(1e-3)

@@ -192,6 +192,8 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--size", type=int, default=4_000_000, help="number of parameters")
   parser.add_argument("--leaves", type=int, default=30, help="number of parameter leaves")
+  parser.add_argument("--shapes", choices=("model", "uneven"), default="model",
+                      help="leaf shapes: a transformer's, or 1-D of random (mostly odd) sizes")
   parser.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds")
   parser.add_argument("--inner", type=int, default=5, help="calls per variant per round")
   parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -202,13 +204,13 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
 
   dtype = jnp.dtype(args.dtype)
-  params = make_params(args.size, args.leaves, dtype=dtype)
+  params = make_params(args.size, args.leaves, dtype=dtype, shapes=args.shapes)
   # The gradients of a loss scaled by INIT_SCALE: finite, so no step is skipped.
   keys = iter(jax.random.split(jax.random.key(1), len(params)))
   grads = jax.tree.map(
       lambda p: (jax.random.normal(next(keys), p.shape) * 1e-3 * INIT_SCALE).astype(dtype), params)
   n = sum(p.size for p in jax.tree.leaves(params))
-  print(f"{device_summary()}; {n:,} {args.dtype} params in {len(params)} leaves; "
+  print(f"{device_summary()}; {n:,} {args.dtype} params in {len(params)} {args.shapes} leaves; "
         f"{args.rounds} rounds x {args.inner} calls")
 
   adam = optax.adam(1e-3)

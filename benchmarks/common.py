@@ -16,12 +16,29 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def make_params(total: int = 4_000_000, leaves: int = 30, seed: int = 0, dtype=jnp.float32):
-  """About ``total`` parameters in ``leaves`` leaves of uneven sizes (a dict of arrays)."""
+def make_params(total: int = 4_000_000, leaves: int = 30, seed: int = 0, dtype=jnp.float32,
+                shapes: str = "model"):
+  """About ``total`` parameters in about ``leaves`` leaves (a dict of arrays).
+
+  ``shapes="model"``: the leaves of a stack of transformer blocks (``leaves // 6``
+  blocks of width ``d``, a multiple of 64: kernels ``(d, 3d)``, ``(d, d)``,
+  ``(d, 4d)``, ``(4d, d)`` and two ``(d,)`` norm scales), as real models have.
+  ``shapes="uneven"``: 1-D leaves of random, mostly odd, sizes.
+  """
   rng = np.random.default_rng(seed)
-  weights = rng.uniform(0.2, 1.8, leaves)
-  sizes = np.maximum(1, (weights / weights.sum() * total).astype(int))
-  return {f"layer_{i:02d}": jnp.asarray(rng.standard_normal(int(n)), dtype) for i, n in enumerate(sizes)}
+  if shapes == "uneven":
+    weights = rng.uniform(0.2, 1.8, leaves)
+    sizes = np.maximum(1, (weights / weights.sum() * total).astype(int))
+    return {f"layer_{i:02d}": jnp.asarray(rng.standard_normal(int(n)), dtype)
+            for i, n in enumerate(sizes)}
+  if shapes != "model":
+    raise ValueError(f"shapes must be 'model' or 'uneven', got {shapes!r}")
+  blocks = max(1, leaves // 6)
+  d = max(64, int(round((total / (12 * blocks))**0.5 / 64)) * 64)
+  block = {"qkv": (d, 3 * d), "out": (d, d), "up": (d, 4 * d), "down": (4 * d, d),
+           "norm1": (d,), "norm2": (d,)}
+  return {f"block_{i:02d}_{name}": jnp.asarray(rng.standard_normal(shape), dtype)
+          for i in range(blocks) for name, shape in block.items()}
 
 
 def make_mlp(d_in: int, hidden: int, d_out: int, depth: int, seed: int = 0):
