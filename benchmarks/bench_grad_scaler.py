@@ -12,23 +12,23 @@ million by default) with Adam and dynamic loss scaling, written four ways:
 - ``paddle_style``: the same with ``jaxamp.paddle.GradScaler`` and ``minimize``;
 - ``torch_donate``, ``paddle_donate``: the same loops with
   ``OptimWrapper(..., donate=True)`` (params, optimizer state and gradients
-  updated in place, skips chosen by ``lax.cond``);
+  updated in place);
 - ``adam``: the core step without loss scaling, for scale.
 
-Each is printed as a ratio to ``core`` (target for ``torch_style``: 1.10x).
+Each is printed as a ratio to ``core`` (target for the scaler loops: 1.10x).
 
-Where the difference comes from: the PyTorch-style loop runs four jitted
-calls (backward, unscale-and-check, the holder's apply, the scale update)
-where the core runs one. The small calls cost little (the scale update is
-about 0.2 ms on CPU); what costs is the extra pass over the gradients that
-``unscale_`` makes (read, check, write unscaled) before the holder's apply
-reads them again. The pass is inherent in the protocol
-(``apply_gradients(grads, skip=...)`` must receive the unscaled gradients and
-the skip flag), so the gap shrinks as the backward pass grows (``--batch``).
-The holder chooses the skip with ``lax.cond`` (one branch runs), which
-measured 5-8% faster than an elementwise select. Donating the holder's
-buffers (``donate=True``) was measured *slower* on CPU (jax 0.10.2:
-1.4x against 1.2-1.25x without); it is there to save memory.
+Where the difference comes from: the PyTorch-style loop runs three jitted
+calls (backward, the holder's step, the scale update) where the core runs
+one, so the gradients are written out by the backward call and read back by
+the step. Without ``unscale_``, ``step`` unscales, checks and applies in one
+call (``OptimWrapper.apply_scaled_gradients``), which never writes the
+unscaled gradients out; a donating holder instead unscales in place (two
+calls, as PyTorch), which measured faster than the fused call when the
+buffers are donated. Either way the skip is selected where the optimizer
+computes its new state, so a skippable step costs no copy. Without donation
+each step also allocates fresh buffers for params and optimizer state, which
+the donated core does not. The gap shrinks as the backward pass grows
+(``--batch``).
 
 Run: ``python benchmarks/bench_grad_scaler.py [--hidden N] [--batch B] [--rounds R]``.
 """

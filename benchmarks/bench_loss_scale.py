@@ -1,7 +1,8 @@
 """Cost of dynamic loss scaling in a jitted optimizer update, against today's JAX recipes.
 
 Times ``tx.update`` + ``optax.apply_updates`` (params and optimizer state
-donated) on about ``--size`` parameters in 30 leaves, for:
+donated) on about ``--size`` parameters in about 30 leaves (``--shapes``: a
+transformer's, by default, or 1-D leaves of odd sizes), for:
 
 - ``adam``: plain ``optax.adam`` (the baseline);
 - ``jaxamp``: ``jaxamp.dynamic_loss_scale(adam)``;

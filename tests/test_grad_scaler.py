@@ -727,6 +727,64 @@ def test_random_call_sequences_match_pytorch(seed):
 
 
 # ---------------------------------------------------------------------------------------------
+# step() without unscale_(): one fused call (apply_scaled_gradients), bit-identical to two.
+
+
+@pytest.mark.parametrize("clip_grad", [None, {"max_norm": 0.5}])
+def test_fused_step_equals_unscale_then_step(clip_grad):
+  """The same decisions and scales, skipped steps bit for bit; applied steps up to the last
+  bit (in one jitted program XLA may round the unscale together with the update)."""
+  codes = [0, 1, 0, 0, 2, 0, 1, 1, 0, 0, 0]
+  x = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam promotes an int32 count
+    fused, two_calls = (_adam_loop(unscale_first, clip_grad, codes, x)
+                        for unscale_first in (False, True))
+  for code, (f, t) in zip(codes, zip(fused, two_calls)):
+    assert f["scale"] == t["scale"]
+    np.testing.assert_allclose(f["grads"], t["grads"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(f["params"], t["params"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(f["mu"], t["mu"], rtol=1e-5, atol=1e-6)
+    if code:  # skipped: nothing moved
+      assert _bits(f["params"]) == _bits(f["before"])
+
+
+def _adam_loop(unscale_first, clip_grad, codes, x):
+  opt = jaxamp.OptimWrapper(optax.adam(0.1), jax.tree.map(jnp.copy, W0), clip_grad=clip_grad)
+  scaler = jaxamp.GradScaler(init_scale=2.0**4, growth_interval=2)
+  trajectory = []
+  for code in codes:
+    before = np.array(opt.params["w"])
+    opt.zero_grad()
+    opt.backward(scaler.scale(_poisoned_loss), x, jnp.int32(code))
+    if unscale_first:
+      scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    # After step the holder's gradients read unscaled, as PyTorch's .grad.
+    trajectory.append({"before": before, "params": np.array(opt.params["w"]),
+                       "mu": np.array(opt.opt_state[0].mu["w"]), "grads": np.array(opt.grads["w"]),
+                       "scale": scaler.get_scale()})
+  assert ("apply_scaled" in opt._trace_counts) is not unscale_first  # pylint: disable=protected-access
+  return trajectory
+
+
+def test_gradients_accumulated_after_a_fused_step_add_to_the_unscaled_ones():
+  x = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), jax.tree.map(jnp.copy, W0))
+  scaler = jaxamp.GradScaler(init_scale=2.0**4)
+  opt.backward(scaler.scale(_poisoned_loss), x, jnp.int32(0))
+  scaled = opt.grads
+  scaler.step(opt)
+  opt.backward(scaler.scale(_poisoned_loss), x, jnp.int32(0))  # no zero_grad: PyTorch adds
+  want = jax.tree.map(lambda s, n: s / 16.0 + n, scaled, _grad_of(opt.params, x, 16.0))
+  np.testing.assert_allclose(opt.grads["w"], want["w"], rtol=1e-6)
+
+
+def _grad_of(params, x, scale):
+  return jax.grad(lambda p: _poisoned_loss(p, x, jnp.int32(0)) * scale)(params)
+
+
+# ---------------------------------------------------------------------------------------------
 # A donating holder (OptimWrapper(donate=True)): same trajectory, gradients unscaled in place.
 
 
@@ -757,7 +815,14 @@ def test_donating_holder_is_bit_identical(clip):
   codes = [0, 1, 0, 0, 2, 0, 1, 1, 0, 0]
   plain, _ = _torch_loop(False, codes, clip)
   donated, _ = _torch_loop(True, codes, clip)
-  assert plain == donated
+  if clip:  # unscale_() then step(): the same two calls
+    assert plain == donated
+  else:  # the plain holder's step is one fused call (see test_fused_step_equals_unscale_then_step)
+    for p, d in zip(plain, donated):
+      assert p[2] == d[2]  # the scale
+      for a, b in zip(p[0] + p[1], d[0] + d[1]):  # params and momentum (float32 bytes)
+        np.testing.assert_allclose(np.frombuffer(a, np.float32), np.frombuffer(b, np.float32),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_donating_holder_compiles_once_and_invalidates_held_arrays():

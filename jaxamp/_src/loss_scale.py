@@ -295,10 +295,14 @@ def dynamic_loss_scale(
   as PyTorch unscales them (times ``float32(1 / scale)``), also for scales of
   2^126 and more, whose reciprocal is a denormal that XLA would flush to 0.
 
-  The finite check reads the gradients once, and the skip costs nothing more:
-  the inner update is traced and its new state selected where it is
-  computed, so that XLA fuses the selection into the inner update's own
-  elementwise kernels (see ``benchmarks/bench_loss_scale.py``).
+  The finite check reads the gradients once (a plain sum per leaf; the
+  exact elementwise check runs only when a sum is not finite), and when the
+  inner update reduces every gradient anyway, as
+  ``optax.clip_by_global_norm`` does, its sums of squares are the check and
+  the gradients are not read again. The skip costs nothing more: the inner
+  update is traced and its new state selected where it is computed, so that
+  XLA fuses the selection into the inner update's own elementwise kernels
+  (see ``benchmarks/bench_loss_scale.py``).
 
   Args:
     inner: the optax transformation fed with the unscaled gradients, e.g.

@@ -495,6 +495,9 @@ def _constrain(tree: Any, shardings: Optional[Tuple[Any, ...]]) -> Any:
   return jax.tree.unflatten(treedef, [_pin(x, s) for x, s in zip(leaves, shardings)])
 
 
+_unscale = jax.jit(numerics.unscale)
+
+
 def _has_batch_norm(model: Any) -> bool:
   if model is None:
     return False
@@ -565,6 +568,9 @@ class OptimWrapper:
     applies the updates. With ``skip``, a device boolean scalar, the
     parameters and ``opt_state`` stay bit-identical where it is true: a
     selection on the device, no host sync.
+  * ``apply_scaled_gradients(scale)``: divides ``grads`` by a loss scale,
+    checks them and applies them unless one is inf/nan, in one jitted call
+    (what the scalers' ``step`` uses).
 
   **Learning rates.** ``get_lr()``, ``get_momentum()`` and ``param_groups``
   read the hyperparameters from ``optax.inject_hyperparams`` states found
@@ -606,9 +612,8 @@ class OptimWrapper:
   parameters and optimizer state, and ``backward`` donates the accumulated
   gradients it adds to, so XLA updates them in place (as PyTorch's
   ``optimizer.step()`` updates tensors in place) instead of allocating fresh
-  buffers each step; skipped steps are selected with ``lax.cond`` rather than
-  an elementwise select. The numerics are identical to ``donate=False`` bit
-  for bit. **Arrays previously read from the wrapper are invalidated**:
+  buffers each step. The numerics are identical to ``donate=False`` bit for
+  bit. **Arrays previously read from the wrapper are invalidated**:
   ``params``, ``opt_state``, ``grads``, ``loss_scaler`` (and the arrays
   passed to the constructor or assigned to ``params``/``grads``, which the
   wrapper then owns) are deleted by the next step or ``backward``, and
@@ -616,10 +621,11 @@ class OptimWrapper:
   what must outlive a step (``jax.tree.map(jnp.copy, wrapper.params)``).
   :meth:`state_dict` returns on-device copies then, so checkpoints stay valid.
   Donation saves memory (one copy of params and state instead of two during
-  a step), which matters on accelerators; on CPU it was measured *slower*
-  (about 1.05-1.25x per step for a 2.7M-parameter MLP with Adam, jax 0.10), so
-  it is off by default. An external ``skip`` (the GradScaler protocol) is
-  chosen by ``lax.cond`` either way, which is what makes that path fast.
+  a step) and the allocation of fresh buffers, which measured faster on CPU
+  too (``benchmarks/bench_grad_scaler.py``); it is off by default because it
+  invalidates arrays the user holds. An external ``skip`` (the GradScaler
+  protocol) is selected where the optimizer computes its new state, so a
+  skippable step costs no copy of the state.
 
   Raises:
     AssertionError: (also a ``ValueError``/``TypeError``) where mmengine
@@ -662,6 +668,9 @@ class OptimWrapper:
     self._tx = self._build_transformation()
     self._state = self._init_state(self._params)
     self._grads: Optional[Any] = None
+    # Set by apply_scaled_gradients: ``_grads`` holds the scaled gradients, and
+    # ``grads`` reads them divided by this (unscaled on first read).
+    self._grads_scale: Optional[jax.Array] = None
     self._last_grad_norm: Optional[jax.Array] = None
     self._inner_count = 0
     self._max_counts = -1
@@ -736,10 +745,11 @@ class OptimWrapper:
           donated = (0, 1)
         fn = jax.jit(functools.partial(self._fused_impl, name), static_argnums=(5,),
                      donate_argnums=donated)
-      elif name in ("apply", "apply_skip"):
+      elif name in ("apply", "apply_skip", "apply_scaled"):
         if self._donate:
           donated = (0, 1)
-        fn = jax.jit(functools.partial(self._apply_impl, name), donate_argnums=donated)
+        impl = self._apply_scaled_impl if name == "apply_scaled" else self._apply_impl
+        fn = jax.jit(functools.partial(impl, name), donate_argnums=donated)
       else:  # pragma: no cover
         raise KeyError(name)
       self._jits[name] = fn
@@ -787,54 +797,32 @@ class OptimWrapper:
   def _update(self, params, state, grads, skip):
     """Traced: one optimizer step. Returns ``(params, state, grad_norm)``."""
     grads = _constrain(grads, self._shardings)
-    updates, new_state = self._tx.update(grads, state, params)
+    if skip is None:
+      updates, new_state = self._tx.update(grads, state, params)
+    else:
+      # The step counts only where not skipped, selected where the optimizer
+      # computes it (no copy of the state); the clipping state, with the norm,
+      # advances either way.
+      updates, new_state = numerics.select_update(
+          jnp.logical_not(skip), lambda: self._tx.update(grads, state, params), state)
+      if self._clip is not None:
+        _, clip_state = self._clip.transformation().update(grads, self._inner_of(state)[0], params)
+        new_state = self._with_inner(new_state, (clip_state, self._opt_of(new_state)))
     new_params = optax.apply_updates(params, updates)
     norm = None
     if self._clip is not None and self._clip.kind == "norm":
       norm = self._inner_of(new_state)[0].total_norm
-    if skip is not None:
-      new_params = numerics.select_tree(skip, params, new_params)
-      new_state = self._with_opt(new_state, numerics.select_tree(
-          skip, self._opt_of(state), self._opt_of(new_state)))
     return _constrain(new_params, self._shardings), new_state, norm
-
-  def _skipped_update(self, params, state, grads):
-    """Traced: what :meth:`_update` returns on a skipped step (params and opt state unchanged).
-
-    The clipping state (with the norm) is advanced as on an applied step.
-    """
-    norm = None
-    if self._clip is not None:
-      clip_state = self._inner_of(state)[0]
-      _, clip_state = self._clip.transformation().update(
-          _constrain(grads, self._shardings), clip_state, params)
-      state = self._with_inner(state, (clip_state, self._opt_of(state)))
-      if self._clip.kind == "norm":
-        norm = clip_state.total_norm
-    return params, state, norm
-
-  def _cond_update(self, params, state, grads, skip):
-    """Traced: :meth:`_update` with ``skip`` chosen by ``lax.cond``.
-
-    A select computes the whole update on skipped steps too and keeps the old
-    and the new buffers alive; a conditional runs one branch only (measured
-    5-8% faster per step on CPU for a 2.7M-parameter MLP with Adam). The
-    applied branch is :meth:`_update` itself, so the numerics are equal.
-    """
-    if skip is None:
-      return self._update(params, state, grads, None)
-    return lax.cond(skip, self._skipped_update, lambda p, s, g: self._update(p, s, g, None),
-                    params, state, grads)
-  @property
-  def _skip_by_cond(self) -> bool:
-    """Whether an external ``skip`` is chosen by ``lax.cond`` (bit-identical to the select)."""
-    return True
 
   def _apply_impl(self, name, params, state, grads, skip=None):
     self._count_trace(name)
-    if self._donate or self._skip_by_cond:
-      return self._cond_update(params, state, grads, skip)
     return self._update(params, state, grads, skip)
+
+  def _apply_scaled_impl(self, name, params, state, grads, scale):
+    found_inf = jnp.logical_not(numerics.unscaled_all_finite(grads, scale))
+    params, state, norm = self._apply_impl(name, params, state, numerics.unscale(grads, scale),
+                                           found_inf)
+    return params, state, norm, found_inf
 
   def _fused_impl(self, name, params, state, buffer, dynamic, factor, spec):
     self._count_trace(name)
@@ -875,11 +863,15 @@ class OptimWrapper:
     Assigning a pytree with the params' structure, shapes and dtypes
     replaces them (as PyTorch users overwrite ``.grad``); ``None`` clears them.
     """
+    if self._grads_scale is not None:
+      self._grads = _unscale(self._grads, self._grads_scale)
+      self._grads_scale = None
     return self._grads
 
   @grads.setter
   def grads(self, value: Optional[Any]) -> None:
     self._grads = None if value is None else self._validated_like_params(value, "grads")
+    self._grads_scale = None
 
   @property
   def inner_count(self) -> int:
@@ -986,9 +978,10 @@ class OptimWrapper:
   def _run_backward(self, loss_fn: Any, args: tuple, kwargs: dict, has_aux: bool,
                     factor: float) -> Any:
     dynamic, spec = _split_call(loss_fn, args, kwargs, has_aux)
-    name = "grad" if self._grads is None else "grad_acc"
+    buffer = self.grads
+    name = "grad" if buffer is None else "grad_acc"
     scale = self._loss_scale_of(self._state)
-    out, grads = self._jitted(name)(self._params, self._grads, dynamic, self._factor(factor),
+    out, grads = self._jitted(name)(self._params, buffer, dynamic, self._factor(factor),
                                     scale, spec)
     self._grads = grads
     self._inner_count += 1
@@ -1023,7 +1016,7 @@ class OptimWrapper:
         (PyTorch's message); nothing is changed then.
     """
     if grads is None:
-      grads = self._grads
+      grads = self.grads
     else:
       grads = self._validated_like_params(grads, "grads")
     if grads is None:
@@ -1037,6 +1030,32 @@ class OptimWrapper:
                          f"{skip.shape}")
       result = self._jitted("apply_skip")(self._params, self._state, grads, skip)
     self._commit_step(*result)
+
+  def apply_scaled_gradients(self, scale: Any) -> Optional[jax.Array]:
+    """Unscales :attr:`grads` by ``scale``, checks them and applies them unless one is inf/nan.
+
+    :meth:`GradScaler.unscale_ <jaxamp.GradScaler.unscale_>` and
+    :meth:`apply_gradients` in one jitted call, so that the unscaled gradients
+    are not written out and read back: the scalers' ``step`` uses it when
+    nothing has to see the gradients unscaled in between. Afterwards
+    :attr:`grads` reads the unscaled gradients (computed on the first read).
+
+    Args:
+      scale: the loss scale, a float32 scalar (no host sync).
+
+    Returns:
+      ``found_inf``, a device boolean: whether a gradient was inf or nan (the
+      step was skipped); ``None`` when there are no gradients (nothing changes).
+    """
+    grads = self.grads
+    if grads is None:
+      return None
+    scale = jnp.asarray(scale, jnp.float32)
+    params, state, norm, found_inf = self._jitted("apply_scaled")(self._params, self._state,
+                                                                 grads, scale)
+    self._commit_step(params, state, norm)
+    self._grads_scale = scale
+    return found_inf
 
   def _commit_step(self, params: Any, state: Any, norm: Optional[jax.Array]) -> None:
     if self._clip is not None and self._clip.error_if_nonfinite and norm is not None:
@@ -1054,6 +1073,7 @@ class OptimWrapper:
   def zero_grad(self, set_to_none: bool = True) -> None:
     """Clears :attr:`grads`: ``None``, or zeros like the params with ``set_to_none=False``."""
     self._grads = None if set_to_none else jax.tree.map(jnp.zeros_like, self._params)
+    self._grads_scale = None
 
   def _can_fuse(self) -> bool:
     cls = type(self)
@@ -1088,9 +1108,10 @@ class OptimWrapper:
     factor = float(self._loss_factor())
     if self.should_sync() and self._can_fuse() and not step_kwargs:
       dynamic, spec = _split_call(loss_fn, args, kwargs, has_aux)
-      name = "fused" if self._grads is None else "fused_acc"
+      buffer = self.grads
+      name = "fused" if buffer is None else "fused_acc"
       out, params, state, norm = self._jitted(name)(
-          self._params, self._state, self._grads, dynamic, self._factor(factor), spec)
+          self._params, self._state, buffer, dynamic, self._factor(factor), spec)
       self._inner_count += 1
       self._params, self._state, self._last_grad_norm = params, state, norm
       self._grads = None
@@ -1581,20 +1602,6 @@ class AmpOptimWrapper(OptimWrapper):
       new_params = numerics.select_tree(skip, params, new_params)
       new_state = numerics.select_tree(skip, state, new_state)
     return _constrain(new_params, self._shardings), new_state, norm
-
-  @property
-  def _skip_by_cond(self) -> bool:
-    # With loss scaling the skipped branch measures the norm itself, which may round otherwise
-    # than the norm the clipping records; without donation the select is kept.
-    return not self._scaling
-
-  def _skipped_update(self, params, state, grads):
-    if not self._scaling:
-      return super()._skipped_update(params, state, grads)
-    norm = None
-    if self._clip is not None and self._clip.kind == "norm":
-      norm = clipping.total_grad_norm(numerics.unscale(grads, state.scale), self._clip.norm_type)
-    return params, state, norm
 
   def _cast_fn(self) -> Callable[[Any], Any]:
     policy = self._amp_policy

@@ -227,6 +227,11 @@ class GradScaler:
 
   def _apply(self, optimizer: Any, record: _torch.OptimizerRecord) -> None:
     if record.stage is _torch.OptState.READY:
+      found_inf = _torch.fused_step(optimizer, self._state.scale, allow_float16=True)
+      if found_inf is not None:
+        record.found_inf = found_inf
+        self._pending.append(found_inf)
+        return
       self.unscale_(optimizer)
     if optimizer.grads is not None:  # without gradients Paddle's step changes nothing
       optimizer.apply_gradients(skip=record.found_inf)

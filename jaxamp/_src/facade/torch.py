@@ -17,7 +17,10 @@ or any object with the same protocol,
 * ``apply_gradients(grads=None, *, skip=None)``: one jitted call that clips (per
   the holder's configuration), runs the optax update and applies it. When
   ``skip`` (a device boolean scalar) is true, ``params`` and ``opt_state`` stay
-  bit-identical, without a host sync.
+  bit-identical, without a host sync;
+* optionally ``apply_scaled_gradients(scale)``: unscale, check and apply in one
+  jitted call, returning ``found_inf``; ``step`` uses it when ``unscale_`` was
+  not called (see :func:`fused_step`).
 
 PyTorch's ``scaler.scale(loss).backward()`` is spelled
 ``opt.backward(scaler.scale(loss_fn), batch)``.
@@ -124,6 +127,31 @@ def unscale_and_check(grads: Any, scale: jax.Array, *,
   if donate:
     return _unscale_and_check_donated(grads, scale)
   return _unscale_and_check(grads, scale)
+
+
+def fused_step(optimizer: Any, scale: jax.Array, *, allow_float16: bool) -> Optional[jax.Array]:
+  """Unscales, checks and applies ``optimizer.grads`` in one call, where the holder can.
+
+  Holders with ``apply_scaled_gradients(scale)`` (``jaxamp.OptimWrapper``) do
+  it in one jitted call, for holders that do not donate their buffers (the
+  fused call measured slower on CPU than two donated ones, where ``unscale_``
+  unscales in place as PyTorch does). Returns its ``found_inf``, or ``None``
+  when the holder donates, has no such method or no gradients: then the
+  caller unscales and applies in two calls.
+
+  Raises:
+    ValueError: ``"Attempting to unscale FP16 gradients."`` for float16
+      gradients unless ``allow_float16``.
+  """
+  apply_scaled = getattr(optimizer, "apply_scaled_gradients", None)
+  if apply_scaled is None or holder_donates(optimizer):
+    return None
+  grads = optimizer.grads
+  if grads is None or not jax.tree.leaves(grads):
+    return None
+  if not allow_float16 and has_float16_leaf(grads):
+    raise ValueError("Attempting to unscale FP16 gradients.")
+  return apply_scaled(scale)
 
 
 def holder_donates(optimizer: Any) -> bool:
@@ -280,7 +308,11 @@ class GradScaler:
   into ``grads``, taking ``loss_fn`` as a jit pytree argument) and
   ``apply_gradients(grads=None, *, skip=None)`` (one jitted clip + optax
   update + apply, leaving everything bit-identical when the device boolean
-  ``skip`` is true).
+  ``skip`` is true). A holder that also has ``apply_scaled_gradients(scale)``
+  (unscale, check and apply in one call, returning ``found_inf``), as
+  :class:`jaxamp.OptimWrapper` has, is stepped with it when :meth:`unscale_`
+  was not called: the unscaled gradients are then never written out, and
+  ``opt.grads`` reads them unscaled afterwards, as PyTorch's ``.grad``.
 
   The update rule is PyTorch's, with the scale arithmetic done as PyTorch
   does it (in float64, rounded to float32)::
@@ -525,10 +557,15 @@ class GradScaler:
       return None
     if "closure" in kwargs:
       raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-    self._check_scale_growth_tracker("step")
+    state = self._check_scale_growth_tracker("step")
     record = self._per_optimizer_states[id(optimizer)]
     if record.stage is OptState.STEPPED:
       raise RuntimeError("step() has already been called since the last update().")
+    if record.stage is OptState.READY and not args and not kwargs:
+      found_inf = fused_step(optimizer, state.scale, allow_float16=False)
+      if found_inf is not None:
+        record.found_inf, record.stage = found_inf, OptState.STEPPED
+        return None
     if record.stage is OptState.READY:
       self.unscale_(optimizer)
     if record.found_inf is None:
