@@ -730,40 +730,43 @@ def test_random_call_sequences_match_pytorch(seed):
 # step() without unscale_(): one fused call (apply_scaled_gradients), bit-identical to two.
 
 
-@pytest.mark.parametrize("clip_grad", [None, {"max_norm": 0.5}])
-def test_fused_step_equals_unscale_then_step(clip_grad):
-  """The same decisions and scales, skipped steps bit for bit; applied steps up to the last
-  bit (in one jitted program XLA may round the unscale together with the update)."""
-  codes = [0, 1, 0, 0, 2, 0, 1, 1, 0, 0, 0]
-  x = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
-  with jax.numpy_dtype_promotion("standard"):  # optax.adam promotes an int32 count
-    fused, two_calls = (_adam_loop(unscale_first, clip_grad, codes, x)
-                        for unscale_first in (False, True))
-  for code, (f, t) in zip(codes, zip(fused, two_calls)):
-    assert f["scale"] == t["scale"]
-    np.testing.assert_allclose(f["grads"], t["grads"], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(f["params"], t["params"], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(f["mu"], t["mu"], rtol=1e-5, atol=1e-6)
-    if code:  # skipped: nothing moved
-      assert _bits(f["params"]) == _bits(f["before"])
-
-
-def _adam_loop(unscale_first, clip_grad, codes, x):
-  opt = jaxamp.OptimWrapper(optax.adam(0.1), jax.tree.map(jnp.copy, W0), clip_grad=clip_grad)
+def _scaler_loop(opt, codes, unscale_first):
+  """Steps ``opt`` with a GradScaler through :func:`_poisoned_loss` codes; yields the scaler."""
   scaler = jaxamp.GradScaler(init_scale=2.0**4, growth_interval=2)
-  trajectory = []
+  x = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
   for code in codes:
-    before = np.array(opt.params["w"])
     opt.zero_grad()
     opt.backward(scaler.scale(_poisoned_loss), x, jnp.int32(code))
     if unscale_first:
       scaler.unscale_(opt)
     scaler.step(opt)
     scaler.update()
-    # After step the holder's gradients read unscaled, as PyTorch's .grad.
-    trajectory.append({"before": before, "params": np.array(opt.params["w"]),
-                       "mu": np.array(opt.opt_state[0].mu["w"]), "grads": np.array(opt.grads["w"]),
-                       "scale": scaler.get_scale()})
+    yield scaler
+
+
+@pytest.mark.parametrize("clip_grad", [None, {"max_norm": 0.5}])
+def test_fused_step_equals_unscale_then_step(clip_grad):
+  """The same decisions and scales, skipped steps bit for bit; applied steps up to the last
+  bit (in one jitted program XLA may round the unscale together with the update)."""
+  codes = [0, 1, 0, 0, 2, 0, 1, 1, 0, 0, 0]
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam promotes an int32 count
+    fused, two_calls = (_adam_loop(unscale_first, clip_grad, codes)
+                        for unscale_first in (False, True))
+  for i, code in enumerate(codes):
+    f, t = fused[i], two_calls[i]
+    assert f["scale"] == t["scale"]
+    for key in ("grads", "params", "mu"):
+      np.testing.assert_allclose(f[key], t[key], rtol=1e-5, atol=1e-6)
+    if code and i:  # skipped: nothing moved
+      assert _bits(f["params"]) == _bits(fused[i - 1]["params"])
+
+
+def _adam_loop(unscale_first, clip_grad, codes):
+  opt = jaxamp.OptimWrapper(optax.adam(0.1), jax.tree.map(jnp.copy, W0), clip_grad=clip_grad)
+  # After step the holder's gradients read unscaled, as PyTorch's .grad.
+  trajectory = [{"params": np.array(opt.params["w"]), "mu": np.array(opt.opt_state[0].mu["w"]),
+                 "grads": np.array(opt.grads["w"]), "scale": scaler.get_scale()}
+                for scaler in _scaler_loop(opt, codes, unscale_first)]
   assert ("apply_scaled" in opt._trace_counts) is not unscale_first  # pylint: disable=protected-access
   return trajectory
 
@@ -796,17 +799,8 @@ def _poisoned_loss(params, x, code):
 
 def _torch_loop(donate, codes, clip):
   opt = jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9), jax.tree.map(jnp.copy, W0), donate=donate)
-  scaler = jaxamp.GradScaler(init_scale=2.0**4, growth_interval=2)
-  x = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
-  out = []
-  for code in codes:
-    opt.zero_grad()
-    opt.backward(scaler.scale(_poisoned_loss), x, jnp.int32(code))
-    if clip:
-      scaler.unscale_(opt)
-    scaler.step(opt)
-    scaler.update()
-    out.append((_bits(opt.params), _bits(opt.opt_state), scaler.get_scale()))
+  out = [(_bits(opt.params), _bits(opt.opt_state), scaler.get_scale())
+         for scaler in _scaler_loop(opt, codes, clip)]
   return out, opt
 
 
