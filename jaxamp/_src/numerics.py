@@ -87,10 +87,11 @@ def _probably_finite(leaves: list) -> jax.Array:
 
   Any inf or nan makes the sum inf or nan; a sum of finite values can overflow,
   which gives a false False that the exact check then corrects. The plain sum
-  is the cheapest reduction there is: nothing is computed before it, so XLA
-  reads each leaf once without writing anything out.
+  (in float32 at least, so that half-precision sums do not overflow) is the
+  cheapest reduction there is: nothing is computed before it, so XLA reads
+  each leaf once without writing anything out.
   """
-  checks = [jnp.isfinite(jnp.sum(x)) if x.dtype.itemsize >= 4 else jnp.all(jnp.isfinite(x))
+  checks = [jnp.isfinite(jnp.sum(x, dtype=x.dtype if x.dtype.itemsize >= 4 else jnp.float32))
             for x in leaves]
   return jnp.stack(checks).all() if checks else jnp.array(True)
 
