@@ -229,7 +229,7 @@ def _witnesses(closed: Any, watch: Sequence[jax.Array], stop: int) -> list:
     name, out = eqn.primitive.name, eqn.outvars[0]
     operands = eqn.invars[:1] if name == "div" else eqn.invars
     if (name not in _PROPAGATING or (name == "integer_pow" and eqn.params["y"] <= 0)
-        or not jnp.issubdtype(out.aval.dtype, jnp.inexact)):
+        or not jnp.issubdtype(out.aval.dtype, jnp.inexact) or out.aval.size == 0):
       continue
     sources = {origin[v] for v in operands if isinstance(v, jex_core.Var) and v in origin}
     if len(sources) == 1:

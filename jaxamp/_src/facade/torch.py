@@ -132,12 +132,14 @@ def unscale_and_check(grads: Any, scale: jax.Array, *,
 def fused_step(optimizer: Any, scale: jax.Array, *, allow_float16: bool) -> Optional[jax.Array]:
   """Unscales, checks and applies ``optimizer.grads`` in one call, where the holder can.
 
-  Holders with ``apply_scaled_gradients(scale)`` (``jaxamp.OptimWrapper``) do
-  it in one jitted call, for holders that do not donate their buffers (the
-  fused call measured slower on CPU than two donated ones, where ``unscale_``
-  unscales in place as PyTorch does). Returns its ``found_inf``, or ``None``
-  when the holder donates, has no such method or no gradients: then the
-  caller unscales and applies in two calls.
+  A holder with ``apply_scaled_gradients(scale)`` (``jaxamp.OptimWrapper``)
+  that does not donate its buffers does it in one jitted call. A donating
+  holder is left to ``unscale_`` and ``apply_gradients``: it unscales in place,
+  as PyTorch does, which measured faster on CPU than the fused call.
+
+  Returns:
+    ``found_inf``, or ``None`` when the caller must unscale and apply in two
+    calls (a donating holder, no such method, or no gradients).
 
   Raises:
     ValueError: ``"Attempting to unscale FP16 gradients."`` for float16
