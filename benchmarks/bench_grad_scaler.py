@@ -11,8 +11,8 @@ million by default) with Adam and dynamic loss scaling, written four ways:
   ``jaxamp.OptimWrapper``;
 - ``paddle_style``: the same with ``jaxamp.paddle.GradScaler`` and ``minimize``;
 - ``torch_donate``, ``paddle_donate``: the same loops with
-  ``OptimWrapper(..., donate=True)`` (params, optimizer state and gradients
-  updated in place);
+  ``OptimWrapper(..., donate=True)`` (params and optimizer state updated in
+  place, as the core's are);
 - ``adam``: the core step without loss scaling, for scale.
 
 Each is printed as a ratio to ``core`` (target for the scaler loops: 1.10x).
@@ -22,9 +22,7 @@ calls (backward, the holder's step, the scale update) where the core runs
 one, so the gradients are written out by the backward call and read back by
 the step. Without ``unscale_``, ``step`` unscales, checks and applies in one
 call (``OptimWrapper.apply_scaled_gradients``), which never writes the
-unscaled gradients out; a donating holder instead unscales in place (two
-calls, as PyTorch), which measured faster than the fused call when the
-buffers are donated. Either way the skip is selected where the optimizer
+unscaled gradients out, and the skip is selected where the optimizer
 computes its new state, so a skippable step costs no copy. Without donation
 each step also allocates fresh buffers for params and optimizer state, which
 the donated core does not. The gap shrinks as the backward pass grows

@@ -614,10 +614,11 @@ class OptimWrapper:
   ``optimizer.step()`` updates tensors in place) instead of allocating fresh
   buffers each step. The numerics are identical to ``donate=False`` bit for
   bit. **Arrays previously read from the wrapper are invalidated**:
-  ``params``, ``opt_state``, ``grads``, ``loss_scaler`` (and the arrays
-  passed to the constructor or assigned to ``params``/``grads``, which the
-  wrapper then owns) are deleted by the next step or ``backward``, and
-  reading them raises JAX's "Array has been deleted" ``RuntimeError``. Copy
+  ``params``, ``opt_state`` and ``loss_scaler`` by the next step, ``grads``
+  by the next ``backward`` that adds to them or a scaler's ``unscale_`` (and
+  the arrays passed to the constructor or assigned to ``params``/``grads``,
+  which the wrapper then owns, likewise); reading them raises JAX's "Array
+  has been deleted" ``RuntimeError``. Copy
   what must outlive a step (``jax.tree.map(jnp.copy, wrapper.params)``).
   :meth:`state_dict` returns on-device copies then, so checkpoints stay valid.
   Donation saves memory (one copy of params and state instead of two during

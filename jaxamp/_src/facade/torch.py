@@ -133,20 +133,18 @@ def fused_step(optimizer: Any, scale: jax.Array, *, allow_float16: bool) -> Opti
   """Unscales, checks and applies ``optimizer.grads`` in one call, where the holder can.
 
   A holder with ``apply_scaled_gradients(scale)`` (``jaxamp.OptimWrapper``)
-  that does not donate its buffers does it in one jitted call. A donating
-  holder is left to ``unscale_`` and ``apply_gradients``: it unscales in place,
-  as PyTorch does, which measured faster on CPU than the fused call.
+  does it in one jitted call.
 
   Returns:
     ``found_inf``, or ``None`` when the caller must unscale and apply in two
-    calls (a donating holder, no such method, or no gradients).
+    calls (no such method, or no gradients).
 
   Raises:
     ValueError: ``"Attempting to unscale FP16 gradients."`` for float16
       gradients unless ``allow_float16``.
   """
   apply_scaled = getattr(optimizer, "apply_scaled_gradients", None)
-  if apply_scaled is None or holder_donates(optimizer):
+  if apply_scaled is None:
     return None
   grads = optimizer.grads
   if grads is None or not jax.tree.leaves(grads):
