@@ -38,7 +38,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
-from benchmarks.common import (device_summary, interleaved_medians, make_params,  # noqa: E402
+from benchmarks.common import (add_param_args, device_summary, interleaved_medians, make_params,  # noqa: E402
                                print_ratios)
 
 
@@ -102,10 +102,7 @@ def memory_row(tx, params, grads) -> Dict[str, int]:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--size", type=int, default=4_000_000, help="number of parameters")
-  parser.add_argument("--leaves", type=int, default=30, help="number of parameter leaves")
-  parser.add_argument("--shapes", choices=("model", "uneven"), default="model",
-                      help="leaf shapes: a transformer's, or 1-D of random (mostly odd) sizes")
+  add_param_args(parser)
   parser.add_argument("--every-k", type=int, default=4, help="micro-steps per optimizer step")
   parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
   parser.add_argument("--windows", type=int, default=2,

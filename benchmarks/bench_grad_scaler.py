@@ -40,14 +40,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
-from benchmarks.common import (device_summary, interleaved_medians, make_mlp,  # noqa: E402
-                               mlp_loss as loss_fn, print_ratios)
+from benchmarks.common import (device_summary, interleaved_medians,  # noqa: E402
+                               mlp_loss as loss_fn, mlp_problem, print_ratios)
 
 INIT_SCALE = 2.0**16
 GROWTH_INTERVAL = 2000
@@ -66,12 +65,8 @@ def main() -> None:
   parser.add_argument("--inner", type=int, default=5)
   args = parser.parse_args()
 
-  d_in, d_out = 512, 64
-  params0 = make_mlp(d_in, args.hidden, d_out, args.depth)
-  n_params = sum(x.size for x in jax.tree.leaves(params0))
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((args.batch, d_in)), jnp.float32)
-  y = jnp.asarray(rng.standard_normal((args.batch, d_out)), jnp.float32)
+  params0, x, y = mlp_problem(args.hidden, args.depth, args.batch)
+  n_params = sum(leaf.size for leaf in jax.tree.leaves(params0))
 
   # -- the functional core: one jitted, donated step.
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-4), init_scale=INIT_SCALE,
@@ -132,7 +127,7 @@ def main() -> None:
 
     return run
 
-  print(f"MLP {d_in}-{args.hidden}x{args.depth}-{d_out}: {n_params / 1e6:.2f}M params, "
+  print(f"MLP {x.shape[1]}-{args.hidden}x{args.depth}-{y.shape[1]}: {n_params / 1e6:.2f}M params, "
         f"batch {args.batch}, adam; {device_summary()}")
   medians = interleaved_medians(
       {"core": run_core, "torch_style": torch_style(False),

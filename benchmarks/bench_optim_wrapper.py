@@ -31,14 +31,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
-from benchmarks.common import (device_summary, interleaved_medians, make_mlp,  # noqa: E402
-                               mlp_loss as loss_fn, print_ratios)
+from benchmarks.common import (device_summary, interleaved_medians,  # noqa: E402
+                               mlp_loss as loss_fn, mlp_problem, print_ratios)
 
 
 def main() -> None:
@@ -51,19 +50,17 @@ def main() -> None:
   parser.add_argument("--inner", type=int, default=4)
   args = parser.parse_args()
 
-  d_in, d_out = 512, 64
-  params0 = make_mlp(d_in, args.hidden, d_out, args.depth)
-  n_params = sum(x.size for x in jax.tree.leaves(params0))
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((args.batch, d_in)), jnp.float32)
-  y = jnp.asarray(rng.standard_normal((args.batch, d_out)), jnp.float32)
+  params0, x, y = mlp_problem(args.hidden, args.depth, args.batch)
+  n_params = sum(leaf.size for leaf in jax.tree.leaves(params0))
   policy = jaxamp.Policy(jnp.float32, args.dtype, jnp.float32)
   mp_loss = jaxamp.mixed_precision(loss_fn, policy)
 
   def inner():
     return optax.chain(jaxamp.clip_grad_norm(1.0), optax.adamw(1e-3))
 
-  def make_core(tx):
+  def core(tx):
+    """A zero-argument step of the functional core with ``tx``, carrying its own donated state."""
+
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, x, y):
       scale = jaxamp.get_loss_scale(opt_state)
@@ -71,20 +68,16 @@ def main() -> None:
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, loss / scale
 
-    return step
+    box = {"params": jax.tree.map(jnp.array, params0)}
+    box["state"] = tx.init(box["params"])
 
-  variants = {}
+    def run():
+      box["params"], box["state"], loss = step(box["params"], box["state"], x, y)
+      jax.block_until_ready((box["params"], loss))
 
-  tx = jaxamp.dynamic_loss_scale(inner())
-  core_step = make_core(tx)
-  core = {"params": jax.tree.map(jnp.array, params0)}
-  core["state"] = tx.init(core["params"])
+    return run
 
-  def run_core():
-    core["params"], core["state"], loss = core_step(core["params"], core["state"], x, y)
-    jax.block_until_ready((core["params"], loss))
-
-  variants["core"] = run_core
+  variants = {"core": core(jaxamp.dynamic_loss_scale(inner()))}
 
   def amp_wrapper(donate, **kw):
     wrapper = jaxamp.AmpOptimWrapper(optax.adamw(1e-3), jax.tree.map(jnp.array, params0),
@@ -93,33 +86,16 @@ def main() -> None:
 
     def run():
       loss = wrapper.update_params(loss_fn, x, y)
-      jax.block_until_ready((wrapper.params, loss))
+      jax.block_until_ready((wrapper.params, wrapper.grads, loss))
 
     return wrapper, run
 
   wrapper, variants["amp_wrapper"] = amp_wrapper(False)
   _, variants["amp_wrapper_donate"] = amp_wrapper(True)
 
-  tx4 = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(inner()), 4)
-  core4_step = make_core(tx4)
-  core4 = {"params": jax.tree.map(jnp.array, params0)}
-  core4["state"] = tx4.init(core4["params"])
+  variants["core_acc4"] = core(jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(inner()), 4))
 
-  def run_core4():
-    core4["params"], core4["state"], loss = core4_step(core4["params"], core4["state"], x, y)
-    jax.block_until_ready((core4["params"], loss))
-
-  variants["core_acc4"] = run_core4
-
-  wrapper4 = jaxamp.AmpOptimWrapper(optax.adamw(1e-3), jax.tree.map(jnp.array, params0),
-                                    clip_grad=dict(max_norm=1.0), dtype=args.dtype,
-                                    accumulative_counts=4)
-
-  def run_wrapper4():
-    loss = wrapper4.update_params(loss_fn, x, y)
-    jax.block_until_ready((wrapper4.params, wrapper4.grads, loss))
-
-  variants["amp_wrapper_acc4"] = run_wrapper4
+  _, variants["amp_wrapper_acc4"] = amp_wrapper(False, accumulative_counts=4)
   _, variants["amp_wrapper_acc4_donate"] = amp_wrapper(True, accumulative_counts=4)
 
   print(f"{device_summary()}; MLP with {n_params / 1e6:.2f}M parameters, batch {args.batch}, "

@@ -41,6 +41,14 @@ def make_params(total: int = 4_000_000, leaves: int = 30, seed: int = 0, dtype=j
           for i in range(blocks) for name, shape in block.items()}
 
 
+def add_param_args(parser) -> None:
+  """Adds ``--size``, ``--leaves`` and ``--shapes`` (the arguments of :func:`make_params`)."""
+  parser.add_argument("--size", type=int, default=4_000_000, help="number of parameters")
+  parser.add_argument("--leaves", type=int, default=30, help="number of parameter leaves")
+  parser.add_argument("--shapes", choices=("model", "uneven"), default="model",
+                      help="leaf shapes: a transformer's, or 1-D of random (mostly odd) sizes")
+
+
 def make_mlp(d_in: int, hidden: int, d_out: int, depth: int, seed: int = 0):
   """An MLP's float32 params: ``{'layer_i': {'kernel', 'bias'}}``, ``depth`` hidden layers."""
   rng = np.random.default_rng(seed)
@@ -52,6 +60,15 @@ def make_mlp(d_in: int, hidden: int, d_out: int, depth: int, seed: int = 0):
         "bias": jnp.zeros((b,), jnp.float32),
     }
   return params
+
+
+def mlp_problem(hidden: int, depth: int, batch: int, d_in: int = 512, d_out: int = 64):
+  """The facade benchmarks' problem: :func:`make_mlp` params and one float32 batch ``(x, y)``."""
+  params = make_mlp(d_in, hidden, d_out, depth)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((batch, d_in)), jnp.float32)
+  y = jnp.asarray(rng.standard_normal((batch, d_out)), jnp.float32)
+  return params, x, y
 
 
 def mlp_loss(params, x, y):
@@ -107,5 +124,5 @@ def device_summary() -> str:
   return f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
 
 
-__all__: Sequence[str] = ("make_params", "make_mlp", "mlp_loss", "interleaved_medians", "print_ratios", "block",
+__all__: Sequence[str] = ("add_param_args", "make_params", "make_mlp", "mlp_problem", "mlp_loss", "interleaved_medians", "print_ratios", "block",
                           "device_summary")
