@@ -12,20 +12,10 @@ from hypothesis import strategies as st
 
 import jaxamp
 from jaxamp._src import accumulation
+from tests._optax import adam
 
 PARAMS = {"w": jnp.array([0.5, -1.0, 2.0], jnp.float32), "b": jnp.array([-0.0, 0.25], jnp.float32)}
 RTOL = 1e-6
-
-
-def adam(learning_rate):
-  """optax.adam, whose bias correction mixes float and int32, traced with standard promotion."""
-  tx = optax.adam(learning_rate)
-
-  def update(updates, state, params=None):
-    with jax.numpy_dtype_promotion("standard"):
-      return tx.update(updates, state, params)
-
-  return optax.GradientTransformation(tx.init, update)
 
 
 def micro_grads(n, seed=0):

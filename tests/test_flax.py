@@ -18,6 +18,7 @@ from flax.training import train_state as flax_train_state
 
 import jaxamp
 import jaxamp.nnx
+from tests._optax import adam as _adam
 
 F16, F32 = jnp.float16, jnp.float32
 MICRO_BATCH, IN, HIDDEN, CLASSES, K = 16, 8, 32, 4, 2
@@ -33,17 +34,6 @@ def _data(num_micro_batches):
 
 def _cross_entropy(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(F32), labels).mean()
-
-
-def _adam(learning_rate):
-  """optax.adam, whose bias correction mixes float and int32, traced with standard promotion."""
-  tx = optax.adam(learning_rate)
-
-  def update(updates, state, params=None):
-    with jax.numpy_dtype_promotion("standard"):
-      return tx.update(updates, state, params)
-
-  return optax.GradientTransformation(tx.init, update)
 
 
 def _tx(init_scale=2.0**15):

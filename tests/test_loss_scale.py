@@ -112,6 +112,13 @@ def kinds_with(bad_steps, n, kind=INF):
   return [kind if i in bad_steps else FINITE for i in range(n)]
 
 
+def _scaled_grads(kind, scale):
+  """Traced: gradients of a loss scaled by ``scale``, the first one poisoned as ``kind`` says."""
+  base = jnp.array([0.5, -0.25, 1.0], jnp.float32) * scale
+  bad = jnp.array([jnp.nan, jnp.inf, jnp.nan, -jnp.inf, 3e38], jnp.float32)[kind]
+  return {"w": base.at[0].set(jnp.where(kind == FINITE, base[0], bad))}
+
+
 @functools.lru_cache(maxsize=None)
 def scan_runner(**hyper):
   """A jitted lax.scan over a sequence of step kinds (one compilation per hyperparameter set)."""
@@ -122,9 +129,7 @@ def scan_runner(**hyper):
 
     def body(carry, kind):
       state, params = carry
-      base = jnp.array([0.5, -0.25, 1.0], jnp.float32) * state.scale
-      bad = jnp.array([jnp.nan, jnp.inf, jnp.nan, -jnp.inf, 3e38], jnp.float32)[kind]
-      g = {"w": base.at[0].set(jnp.where(kind == FINITE, base[0], bad))}
+      g = _scaled_grads(kind, state.scale)
       updates, state = tx.update(g, state, params)
       return (state, optax.apply_updates(params, updates)), state
 
@@ -305,9 +310,7 @@ def adam_runner(config_index):
 
     def body(carry, kind):
       state, params = carry
-      base = jnp.array([0.5, -0.25, 1.0], jnp.float32) * state.scale
-      bad = jnp.array([jnp.nan, jnp.inf, jnp.nan, -jnp.inf, 3e38], jnp.float32)[kind]
-      g = {"w": base.at[0].set(jnp.where(kind == FINITE, base[0], bad))}
+      g = _scaled_grads(kind, state.scale)
       with standard_promotion:
         updates, state = tx.update(g, state, params)
       params = optax.apply_updates(params, updates)

@@ -14,14 +14,15 @@ def params():
           "b": np.zeros((DOUT,), np.float32)}
 
 
-def micro_batches():
-  rng = np.random.default_rng(2)
+def micro_batches(rows=MICRO, steps=STEPS, bad_row=BAD_ROW, seed=2):
+  """``steps`` batches ``(x, y)`` of ``rows`` rows; row ``bad_row`` of step BAD_STEP overflows."""
+  rng = np.random.default_rng(seed)
   out = []
-  for i in range(STEPS):
-    x = rng.standard_normal((MICRO, DIN)).astype(np.float32)
-    y = rng.standard_normal((MICRO, DOUT)).astype(np.float32)
+  for i in range(steps):
+    x = rng.standard_normal((rows, DIN)).astype(np.float32)
+    y = rng.standard_normal((rows, DOUT)).astype(np.float32)
     if i == BAD_STEP:
-      x[BAD_ROW, 0] = 1e20
+      x[bad_row, 0] = 1e20  # its squared error overflows float32
     out.append((x, y))
   return out
 

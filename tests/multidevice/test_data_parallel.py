@@ -12,32 +12,21 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from tests.multidevice import _problem
+from tests.multidevice._problem import BAD_STEP
 
 INIT_SCALE = 2.0**10
-BATCH, DIN, DOUT = 32, 8, 4  # 4 examples per device
-BAD_STEP, BAD_ROW = 2, 13  # row 13 sits in device 3's micro-batch
+BATCH = 32  # 4 examples per device
+BAD_ROW = 13  # row 13 of step BAD_STEP sits in device 3's micro-batch
+_loss = _problem.loss
 
 
 def _params():
-  rng = np.random.default_rng(0)
-  return {"w": jnp.asarray(rng.standard_normal((DIN, DOUT)) * 0.3, jnp.float32),
-          "b": jnp.zeros((DOUT,), jnp.float32)}
+  return jax.tree.map(jnp.asarray, _problem.params())
 
 
 def _batches(steps=4):
-  rng = np.random.default_rng(1)
-  out = []
-  for i in range(steps):
-    x = rng.standard_normal((BATCH, DIN)).astype(np.float32)
-    y = rng.standard_normal((BATCH, DOUT)).astype(np.float32)
-    if i == BAD_STEP:
-      x[BAD_ROW, 0] = 1e20  # its squared error overflows float32
-    out.append((x, y))
-  return out
-
-
-def _loss(p, x, y):
-  return jnp.mean((x @ p["w"] + p["b"][None, :] - y) ** 2)
+  return _problem.micro_batches(rows=BATCH, steps=steps, bad_row=BAD_ROW, seed=1)
 
 
 def _tx(axis_name=None):
