@@ -251,8 +251,9 @@ def test_select_update_equals_the_naive_selection(adam_setup, monkeypatch, pred,
     np.testing.assert_array_equal(bits(new_params["w"]), bits(params["w"]))  # -0.0 stays -0.0
 
 
-def _witnesses_seen(inner, grads, params):
-  """The witnesses that ``select_update`` hands to ``pred`` for ``inner``."""
+def _witnesses_seen(inner, grads, params, scale=None):
+  """The witnesses that ``select_update`` hands to ``pred`` for ``inner`` (with ``scale``:
+  watching the gradients unscaled by it)."""
   seen = []
 
   def decide(witnesses):
@@ -263,8 +264,13 @@ def _witnesses_seen(inner, grads, params):
   def run(grads):
     with jax.numpy_dtype_promotion("standard"):
       state = inner.init(params)
-      return numerics.select_update(decide, lambda: inner.update(grads, state, params), state,
-                                    watch=numerics.float_leaves(grads))
+      unscaled, unscaled_from = grads, None
+      if scale is not None:
+        unscaled = numerics.unscale(grads, scale)
+        unscaled_from = (numerics.float_leaves(grads), jnp.float32(scale))
+      return numerics.select_update(decide, lambda: inner.update(unscaled, state, params), state,
+                                    watch=numerics.float_leaves(unscaled),
+                                    unscaled_from=unscaled_from)
 
   run(grads)
   return seen[0]
@@ -275,6 +281,7 @@ def test_select_update_hands_a_global_norm_clip_reduction_to_pred():
   grads = jax.tree.map(jnp.ones_like, params)
   clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
   assert _witnesses_seen(clipped, grads, params) == [True, True, True]
+  assert _witnesses_seen(clipped, grads, params, scale=8.0) == [True, True, True]
   # Adam reduces nothing: the scalar leaf is its own witness, the others have none.
   assert _witnesses_seen(optax.adam(0.1), grads, params) == [False, True, False]  # b, s, w
   # A max does not carry a nan through (max(nan, x) may be x): no witness.
@@ -297,6 +304,53 @@ def test_a_clipped_step_with_witnesses_decides_as_the_exact_check(value):
     want, _ = inner.update(grads, inner.init(params), params)
     for u, w in zip(jax.tree.leaves(updates), jax.tree.leaves(want)):
       np.testing.assert_array_equal(bits(u), bits(w))
+
+
+def _degrees(fn, leaf):
+  """The degrees of homogeneity of the witnesses ``select_update`` finds in ``fn(leaf)``."""
+  found = []
+
+  def trace(leaf):
+    closed = jax.make_jaxpr(lambda: fn(leaf))()
+    found.extend(w and w.degree for w in numerics._witnesses(closed, [leaf], 10**6))
+    return leaf
+
+  jax.jit(trace)(leaf)
+  return found
+
+
+def test_witness_degrees_follow_the_homogeneity_of_the_reduction():
+  x = jnp.ones((4, 3))
+  assert _degrees(lambda u: jnp.sqrt(jnp.sum(u * u)), x) == [2]  # the sum, not its root
+  assert _degrees(optax.tree.norm, x) == [2]  # through optax's "+ 0 ** 2" for the imaginary part
+  assert _degrees(lambda u: jnp.sum(jnp.abs(u)) * 3.0, x) == [1]
+  assert _degrees(lambda u: jnp.sum(u ** 3 / 2.0), x) == [3]
+  # Not homogeneous: the witness is still found, but it is computed as written.
+  assert _degrees(lambda u: jnp.sum(u * u + 1.0), x) == [None]
+  assert _degrees(lambda u: jnp.sum(jnp.sqrt(u)), x) == [None]
+
+
+@pytest.mark.parametrize("scale,grad", [
+    (2.0**10, 3.0),  # from the raw gradients
+    (1000.0, 3.0),  # not a power of two: as written
+    (0.25, 3.0),  # below 1: as written
+    (2.0**127, 3.0 * 2.0**120),  # no normal reciprocal: as written
+    (2.0**10, 1e20),  # the raw squares overflow, the unscaled ones do not
+    (2.0**10, 1e-17),  # the unscaled squares are subnormal, the raw ones are not
+    (2.0**10, np.inf),
+])
+def test_a_clipped_step_is_the_clipped_step_of_the_unscaled_gradients(scale, grad):
+  inner = optax.chain(optax.clip_by_global_norm(1e-30), optax.sgd(1.0))
+  tx = jaxamp.dynamic_loss_scale(inner, init_scale=scale, max_scale=2.0**127)
+  params = {"w": jnp.zeros((3, 4)), "b": jnp.zeros(4)}
+  grads = {"w": jnp.full((3, 4), grad, jnp.float32), "b": jnp.arange(4.0) * grad}
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  unscaled = numerics.unscale(grads, scale)
+  want, _ = jax.jit(inner.update)(unscaled, inner.init(params), params)
+  assert bool(state.skipped) is (not np.isfinite(grad))
+  if np.isfinite(grad):
+    for u, w in zip(jax.tree.leaves(updates), jax.tree.leaves(want)):
+      np.testing.assert_allclose(u, w, rtol=1e-6)
 
 
 def test_select_update_reruns_a_broken_update_to_raise_its_own_error():

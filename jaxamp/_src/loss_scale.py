@@ -238,7 +238,8 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule,
 
     updates, inner_state = numerics.select_update(
         decide, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
-        state.inner_state, watch=numerics.float_leaves(unscaled))
+        state.inner_state, watch=numerics.float_leaves(unscaled),
+        unscaled_from=(numerics.float_leaves(grads), state.scale))
     found_inf = jnp.logical_not(checked["finite"])
     scale, tracker, overflow = rule.adjust(state.scale, state.growth_tracker,
                                            state.overflow_count, found_inf)

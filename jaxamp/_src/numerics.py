@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Hashable, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.extend.core as jex_core
@@ -159,7 +159,9 @@ _PROPAGATING = frozenset({"add", "sub", "mul", "div", "neg", "abs", "sqrt", "squ
 
 
 def select_update(pred: Pred, update: Callable[[], tuple[Any, Any]], old_state: Any,
-                  watch: Sequence[jax.Array] = ()) -> tuple[Any, Any]:
+                  watch: Sequence[jax.Array] = (),
+                  unscaled_from: Optional[tuple[Sequence[jax.Array], jax.Array]] = None
+                  ) -> tuple[Any, Any]:
   """Runs an optax-style ``update()`` whose result counts only where ``pred``.
 
   Returns ``(updates, new_state)`` from ``update()`` when ``pred`` is true,
@@ -186,6 +188,17 @@ def select_update(pred: Pred, update: Callable[[], tuple[Any, Any]], old_state: 
   ``None`` where there is none. A finite check can then reuse a reduction
   the update makes anyway instead of reading the arrays once more.
 
+  With ``unscaled_from=(raw, scale)``, where ``watch[i]`` is
+  ``unscale(raw[i], scale)``, a witness that scales with its array (a sum of
+  squares: ``w(c * x) == c**2 * w(x)``) is computed from the raw array and
+  multiplied back, whenever that is exact: a power-of-two scale of at least
+  1, a finite raw witness and a normal result. Otherwise (an overflow, a
+  scale of another kind) it is computed as written, in a ``lax.cond``. The
+  reduction then reads the raw array as it is: XLA:CPU's reductions slow
+  down by half when they multiply by a scalar computed at run time.
+  Unscaled values below the smallest normal number, flushed to zero in the
+  written computation, may count in the raw one.
+
   Args:
     pred: a ``bool`` scalar, or a function of the list of witnesses
       returning one.
@@ -193,6 +206,7 @@ def select_update(pred: Pred, update: Callable[[], tuple[Any, Any]], old_state: 
       ``new_state`` with the structure of ``old_state``.
     old_state: the state to keep where ``pred`` is false.
     watch: the arrays whose witnesses ``pred`` is given.
+    unscaled_from: ``(raw, scale)`` as above, or ``None``.
 
   Returns:
     ``(updates, state)``.
@@ -205,7 +219,8 @@ def select_update(pred: Pred, update: Callable[[], tuple[Any, Any]], old_state: 
     updates_def = jax.tree.structure(shapes[0])
     if jax.tree.structure(shapes[1]) != old_def:
       raise ValueError("the new state has not the structure of the old one")
-    outputs = _eval_selecting(closed, decide, watch, updates_def.num_leaves, old_leaves)
+    outputs = _eval_selecting(closed, decide, watch, unscaled_from, updates_def.num_leaves,
+                              old_leaves)
   except Exception:  # pylint: disable=broad-except
     # Anything the tracing cannot handle takes the plain path (which also
     # raises the genuine error of a broken ``update``).
@@ -216,30 +231,176 @@ def select_update(pred: Pred, update: Callable[[], tuple[Any, Any]], old_state: 
   return jax.tree.unflatten(out_def, outputs)
 
 
+_STRUCTURAL = frozenset({"neg", "abs", "convert_element_type", "copy", "reshape", "squeeze",
+                         "expand_dims", "transpose", "broadcast_in_dim", "reduce_sum"})
+
+
+class _Witness(NamedTuple):
+  var: Any  # the scalar
+  source: Any  # the watched variable it is computed from
+  eqns: tuple  # the equations that compute it from ``source`` (and zeros), in order
+  chain: frozenset  # those of them whose results are used by nothing else
+  degree: Optional[int]  # ``w(c * x) == c**degree * w(x)``; None: unknown, or not on its own
+
+
+_ZERO = "zero"
+
+
+def _degree(eqn: Any, degrees: list) -> Optional[int]:
+  """The degree of homogeneity of ``eqn``'s result in the watched array, or None.
+
+  ``degrees`` holds each operand's: an int, None, or ``_ZERO`` for a zero constant.
+  """
+  name = eqn.primitive.name
+  if None in degrees:
+    return None
+  if name in _STRUCTURAL:
+    return degrees[0]
+  if name == "square":
+    return 2 * degrees[0]
+  if name == "integer_pow":
+    return eqn.params["y"] * degrees[0]
+  if name == "sqrt":
+    return degrees[0] // 2 if degrees[0] % 2 == 0 else None
+  if _ZERO in degrees and name in ("mul", "div"):
+    return None
+  if name == "mul":
+    return sum(degrees)
+  if name == "div":
+    return degrees[0] - degrees[1]
+  terms = {d for d in degrees if d != _ZERO}  # add, sub: a zero term changes nothing
+  return terms.pop() if len(terms) == 1 else None
+
+
+def _is_zero(v: Any, zeros: dict) -> bool:
+  if isinstance(v, jex_core.Literal):
+    return bool(np.all(np.asarray(v.val) == 0))
+  return v in zeros
+
+
 def _witnesses(closed: Any, watch: Sequence[jax.Array], stop: int) -> list:
   """For each array of ``watch``, the first scalar of ``closed`` among its first ``stop``
-  equations that is computed from it alone through :data:`_PROPAGATING` primitives."""
-  origin = {v: i for v, c in zip(closed.jaxpr.constvars, closed.consts)
-            for i, w in enumerate(watch) if c is w}
+  equations that is computed from it alone through :data:`_PROPAGATING` primitives, as a
+  :class:`_Witness`, or None."""
+  jaxpr = closed.jaxpr
+  watched = {v: i for v, c in zip(jaxpr.constvars, closed.consts)
+             for i, w in enumerate(watch) if c is w}
+  consts = set(jaxpr.constvars)
+  origin = dict(watched)
+  degree: dict = {v: 1 for v in watched}
+  zeros: dict = {}  # zero constants computed from literals -> their equation
+  made_by: dict = {}
   found = [None] * len(watch)
-  for v, i in origin.items():
-    if v.aval.shape == ():
+  for v, i in watched.items():
+    if v.aval.shape == ():  # a scalar is its own witness
       found[i] = v
-  for eqn in closed.jaxpr.eqns[:stop]:
+  for k, eqn in enumerate(jaxpr.eqns[:stop]):
     name, out = eqn.primitive.name, eqn.outvars[0]
-    operands = eqn.invars[:1] if name == "div" else eqn.invars
     if (name not in _PROPAGATING or (name == "integer_pow" and eqn.params["y"] <= 0)
         or not jnp.issubdtype(out.aval.dtype, jnp.inexact) or out.aval.size == 0):
       continue
+    if name in _STRUCTURAL | {"square", "integer_pow", "sqrt", "add"} and all(
+        _is_zero(v, zeros) for v in eqn.invars):
+      zeros[out] = k
+      continue
+    operands = eqn.invars[:1] if name == "div" else eqn.invars
     sources = {origin[v] for v in operands if isinstance(v, jex_core.Var) and v in origin}
-    if len(sources) == 1:
-      i = origin[out] = sources.pop()
-      if found[i] is None and out.aval.shape == ():
-        found[i] = out
-  return found
+    if len(sources) != 1:
+      continue
+    i = origin[out] = sources.pop()
+    made_by[out] = k
+
+    def operand_degree(v):
+      if _is_zero(v, zeros):
+        return _ZERO
+      if isinstance(v, jex_core.Literal) or (v in consts and v not in watched):
+        return 0
+      return degree.get(v) if origin.get(v) == i else None  # computed elsewhere: not on its own
+
+    degree[out] = _degree(eqn, [operand_degree(v) for v in eqn.invars])
+    if found[i] is None and out.aval.shape == ():
+      found[i] = out
+  readers: dict = {}
+  for k, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if isinstance(v, jex_core.Var):
+        readers.setdefault(v, set()).add(k)
+  outvars = set(jaxpr.outvars)
+  witnesses: list = [None] * len(watch)
+  for i, w in enumerate(found):
+    if w is None or w in watched:
+      witnesses[i] = None if w is None else _Witness(w, w, (), frozenset(), None)
+      continue
+    eqns, pending = set(), [w]
+    while pending:
+      v = pending.pop()
+      k = made_by.get(v, zeros.get(v))
+      if k is not None and k not in eqns:
+        eqns.add(k)
+        pending.extend(x for x in jaxpr.eqns[k].invars if isinstance(x, jex_core.Var))
+    chain = frozenset(k for k in eqns if jaxpr.eqns[k].outvars[0] in made_by)
+    inner = {jaxpr.eqns[k].outvars[0] for k in chain} - {w}
+    alone = all(readers.get(v, set()) <= chain and v not in outvars for v in inner)
+    witnesses[i] = _Witness(w, next(v for v, j in watched.items() if j == i), tuple(sorted(eqns)),
+                            chain, degree[w] if alone else None)
+  return witnesses
+
+
+def _bind(eqn: Any, read: Callable[[Any], Any]) -> list:
+  params = eqn.primitive.get_bind_params(eqn.params)
+  with eqn.ctx.manager:
+    ans = eqn.primitive.bind(*[read(v) for v in eqn.invars], **params)
+  return ans if eqn.primitive.multiple_results else [ans]
+
+
+def _from_raw(closed: Any, witnesses: list, read: Callable[[Any], Any],
+              raw: Sequence[jax.Array], scale: jax.Array) -> dict:
+  """The values of the witnesses of degree 1 or more, computed from ``raw`` (see
+  :func:`select_update`): ``{witness variable: value}``."""
+  fast = [(i, w) for i, w in enumerate(witnesses) if w is not None and w.degree]
+  if not fast:
+    return {}
+  scale = jnp.asarray(scale, jnp.float32)
+
+  def run(w, leaf):
+    env = {w.source: leaf}
+
+    def local(v):
+      return env[v] if isinstance(v, jex_core.Var) and v in env else read(v)
+
+    for k in w.eqns:
+      eqn = closed.jaxpr.eqns[k]
+      env.update(zip(eqn.outvars, _bind(eqn, local)))
+    return env[w.var]
+
+  # Grouped by dtype and degree, so that XLA checks and scales one vector per group.
+  groups: dict = {}
+  for i, w in fast:
+    groups.setdefault((w.var.aval.dtype, w.degree), []).append((i, w))
+  groups = list(groups.values())
+  mantissa, _ = jnp.frexp(scale)
+  ok = (mantissa == 0.5) & (scale >= 1.0) & (scale < _DENORMAL_RECIPROCAL)
+  values = []
+  for group in groups:
+    x = jnp.stack([run(w, raw[i]) for i, w in group])
+    y = x
+    for _ in range(group[0][1].degree):  # exact: a power of two, and the result is checked normal
+      y = y * (1.0 / scale).astype(y.dtype)
+    ok &= jnp.all(jnp.isfinite(x) & ((x == 0) | (jnp.abs(y) >= jnp.finfo(y.dtype).tiny)))
+    values.append(y)
+
+  def as_written(values, raw, scale):
+    del values
+    factors = _unscale_factors(scale)
+    return [jnp.stack([run(w, _unscale_leaf(raw[i], *factors)) for i, w in group])
+            for group in groups]
+
+  values = lax.cond(ok, lambda values, *_: values, as_written, values, list(raw), scale)
+  return {w.var: v[j] for group, v in zip(groups, values) for j, (_, w) in enumerate(group)}
 
 
 def _eval_selecting(closed: Any, decide: Callable[[list], jax.Array], watch: Sequence[jax.Array],
+                    unscaled_from: Optional[tuple[Sequence[jax.Array], jax.Array]],
                     num_updates: int, old_leaves: list) -> list:
   """Evaluates ``closed`` (a jaxpr of ``update``), selecting the state where it is made."""
   jaxpr = closed.jaxpr
@@ -259,26 +420,28 @@ def _eval_selecting(closed: Any, decide: Callable[[list], jax.Array], watch: Seq
   first = next((k for k, eqn in enumerate(jaxpr.eqns) if any(v in swap for v in eqn.outvars)),
                len(jaxpr.eqns))
   witnesses = _witnesses(closed, watch, first)
-  env: dict = {}
+  env: dict = dict(zip(jaxpr.constvars, closed.consts))
 
   def read(v):
     return v.val if isinstance(v, jex_core.Literal) else env[v]
 
-  for v, c in zip(jaxpr.constvars, closed.consts):
-    env[v] = c
+  skip: set = set()
+  if unscaled_from is not None:
+    env.update(_from_raw(closed, witnesses, read, *unscaled_from))
+    skip = {k for w in witnesses if w is not None and w.var in env for k in w.chain}
+  witness_vars = [None if w is None else w.var for w in witnesses]
   pred = None
   for k, eqn in enumerate(jaxpr.eqns):
     if k == first:
-      pred = decide([None if w is None else read(w) for w in witnesses])
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-      ans = eqn.primitive.bind(*[read(v) for v in eqn.invars], **params)
-    for v, val in zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]):
+      pred = decide([None if w is None else read(w) for w in witness_vars])
+    if k in skip:
+      continue
+    for v, val in zip(eqn.outvars, _bind(eqn, read)):
       if v in swap:
         val = _keep(pred, val, old_leaves[swap[v]])
       env[v] = val
   if pred is None:
-    pred = decide([None if w is None else read(w) for w in witnesses])
+    pred = decide([None if w is None else read(w) for w in witness_vars])
 
   outputs = [read(v) for v in jaxpr.outvars]
   updates = [jnp.where(pred, u, _neg_zeros_like(u)) for u in outputs[:num_updates]]
@@ -320,19 +483,19 @@ def unscale(tree: Any, scale: jax.Array) -> Any:
   ``2^64 / scale``), so the result is the same as PyTorch's instead of zero.
   Each leaf is computed in float32 and cast back to its own dtype.
   """
-  first, second = _unscale_factors(jnp.asarray(scale, jnp.float32))
+  factors = _unscale_factors(jnp.asarray(scale, jnp.float32))
+  return jax.tree.map(lambda g: _unscale_leaf(g, *factors), tree)
 
-  def one(g):
-    g = jnp.asarray(g)
-    if not jnp.issubdtype(g.dtype, jnp.inexact):
-      return g
-    if jnp.issubdtype(g.dtype, jnp.complexfloating):
-      return lax.complex(one(g.real), one(g.imag))
-    # Half precision is computed in float32, float64 (with x64) in float64.
-    compute = g.dtype if g.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
-    return (g.astype(compute) * first.astype(compute) * second.astype(compute)).astype(g.dtype)
 
-  return jax.tree.map(one, tree)
+def _unscale_leaf(g: Any, first: jax.Array, second: jax.Array) -> Any:
+  g = jnp.asarray(g)
+  if not jnp.issubdtype(g.dtype, jnp.inexact):
+    return g
+  if jnp.issubdtype(g.dtype, jnp.complexfloating):
+    return lax.complex(_unscale_leaf(g.real, first, second), _unscale_leaf(g.imag, first, second))
+  # Half precision is computed in float32, float64 (with x64) in float64.
+  compute = g.dtype if g.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
+  return (g.astype(compute) * first.astype(compute) * second.astype(compute)).astype(g.dtype)
 
 
 def _unscaled_exactly_finite(quick: jax.Array, grads: Any, scale: jax.Array) -> jax.Array:
