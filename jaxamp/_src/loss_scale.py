@@ -300,7 +300,11 @@ def dynamic_loss_scale(
   exact elementwise check runs only when a sum is not finite), and when the
   inner update reduces every gradient anyway, as
   ``optax.clip_by_global_norm`` does, its sums of squares are the check and
-  the gradients are not read again. The skip costs nothing more: the inner
+  the gradients are not read again. Those sums are taken of the raw
+  gradients and scaled back where that gives the same bits (a power-of-two
+  scale of at least 1, no overflow, a normal result), and of the unscaled
+  ones otherwise; unscaled squares below the smallest normal float, which
+  XLA flushes to zero, may count. The skip costs nothing more: the inner
   update is traced and its new state selected where it is computed, so that
   XLA fuses the selection into the inner update's own elementwise kernels
   (see ``benchmarks/bench_loss_scale.py``).
