@@ -153,9 +153,9 @@ Pred = Union[jax.Array, Callable[[list], jax.Array]]
 # Primitives whose result is non-finite wherever an operand is (for ``div``,
 # the numerator; for ``integer_pow``, a positive power), so that a value
 # computed from a gradient leaf through them is non-finite if the leaf is.
-_PROPAGATING = frozenset({"add", "sub", "mul", "div", "neg", "abs", "sqrt", "square", "integer_pow",
-                          "convert_element_type", "copy", "reshape", "squeeze", "expand_dims",
-                          "transpose", "broadcast_in_dim", "reduce_sum"})
+_STRUCTURAL = frozenset({"neg", "abs", "convert_element_type", "copy", "reshape", "squeeze",
+                         "expand_dims", "transpose", "broadcast_in_dim", "reduce_sum"})
+_PROPAGATING = _STRUCTURAL | {"add", "sub", "mul", "div", "sqrt", "square", "integer_pow"}
 
 
 def select_update(pred: Pred, update: Callable[[], tuple[Any, Any]], old_state: Any,
@@ -231,10 +231,6 @@ def select_update(pred: Pred, update: Callable[[], tuple[Any, Any]], old_state: 
   return jax.tree.unflatten(out_def, outputs)
 
 
-_STRUCTURAL = frozenset({"neg", "abs", "convert_element_type", "copy", "reshape", "squeeze",
-                         "expand_dims", "transpose", "broadcast_in_dim", "reduce_sum"})
-
-
 class _Witness(NamedTuple):
   var: Any  # the scalar
   source: Any  # the watched variable it is computed from
@@ -299,7 +295,7 @@ def _witnesses(closed: Any, watch: Sequence[jax.Array], stop: int) -> list:
     if (name not in _PROPAGATING or (name == "integer_pow" and eqn.params["y"] <= 0)
         or not jnp.issubdtype(out.aval.dtype, jnp.inexact) or out.aval.size == 0):
       continue
-    if name in _STRUCTURAL | {"square", "integer_pow", "sqrt", "add"} and all(
+    if name in _PROPAGATING - {"sub", "mul", "div"} and all(
         _is_zero(v, zeros) for v in eqn.invars):
       zeros[out] = k
       continue
