@@ -24,10 +24,11 @@ from jaxamp._src.loss_scale import scale_loss
 from jaxamp._src.loss_scale import set_loss_scale
 from jaxamp._src.loss_scale import static_loss_scale
 from jaxamp._src.microbatch import microbatch_value_and_grad
-from jaxamp._src.numerics import all_finite
+from jaxamp._src.finite import all_finite
 from jaxamp._src.policy import Policy
 from jaxamp._src.policy import get_policy
 from jaxamp._src.policy import mixed_precision
+from jaxamp._src.selective_update import set_fused_selection
 from jaxamp._src.train_state import TrainState
 from jaxamp._src.train_state import skipped_steps
 from jaxamp._src.train_state import update_applied
@@ -61,6 +62,7 @@ __all__ = (
     "mixed_precision",
     "paddle",
     "scale_loss",
+    "set_fused_selection",
     "set_loss_scale",
     "skipped_steps",
     "static_loss_scale",

@@ -22,6 +22,7 @@ import optax
 from jax import lax
 
 from jaxamp._src import loss_scale as loss_scale_lib
+from jaxamp._src import finite
 from jaxamp._src import numerics
 from jaxamp._src import sharding
 
@@ -178,7 +179,7 @@ def accumulate_gradients(
     average: bool = True,
     total_steps: Optional[int] = None,
     accumulator_dtype: Any = None,
-    axis_name: numerics.AxisName = None,
+    axis_name: finite.AxisName = None,
     raise_past_end: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` micro-steps before each inner update.
@@ -342,6 +343,7 @@ def accumulate_gradients(
     )
 
   def update_fn(grads, state, params=None, **extra_args):
+    grads = finite.stored_once(grads)  # one stored copy, as in the loss scalers
     # Static: a loss scaler inside does its own finite check and skipping.
     scaler_inside = any(_is_scale_state(n) for n in
                         jax.tree.leaves(state.inner_state, is_leaf=_is_scale_state))
@@ -376,7 +378,8 @@ def accumulate_gradients(
     def window_sum(acc, grads):
       if not accumulates:
         return grads
-      return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
+      return jax.tree.map(lambda a, g: a + finite.as_stored(g).astype(a.dtype), acc, grads)
 
     def window_mean(acc, grads):
       total = window_sum(acc, grads)
@@ -414,8 +417,8 @@ def accumulate_gradients(
       if scaler_inside:
         out = step(source, inner_state, params)
       else:
-        finite = numerics.all_finite(form(*source))
-        out = lax.cond(finite, step, drop, source, inner_state, params)
+        window_finite = finite.all_finite(form(*source))
+        out = lax.cond(window_finite, step, drop, source, inner_state, params)
       return out + (jnp.ones([], jnp.bool_),)
 
     def keep(acc, grads, inner_state, params):

@@ -11,8 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
+from jaxamp._src import finite
 from jaxamp._src import numerics
+from jaxamp._src import selective_update
 
 #: Default floor of the dynamic scale: the smallest normal float32. Far below any
 #: scale a real run reaches, it only stops the degenerate slide to 0.0.
@@ -206,7 +209,7 @@ def check_grad_dtypes(tree: Any, what: str) -> None:
 
 
 def _scaling(inner: Any, init_scale: float, rule: ScaleRule,
-             axis_name: numerics.AxisName) -> optax.GradientTransformationExtraArgs:
+             axis_name: finite.AxisName) -> optax.GradientTransformationExtraArgs:
   inner = _check_inner(inner)
 
   def init_fn(params):
@@ -227,19 +230,22 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule,
 
   def update_fn(grads, state, params=None, **extra_args):
     check_grad_dtypes(grads, "gradient")
-    unscaled = numerics.unscale(grads, state.scale)
+    # One stored copy of the gradients for the check and the update alike, where
+    # XLA honours barriers through fusion (see jaxamp._src.finite).
+    grads = finite.stored_once(grads)
+    unscaled = finite.unscale(grads, state.scale)
     checked = {}
 
     def decide(witnesses):
-      # The quick check reuses any reduction of the unscaled gradients that the
-      # inner update makes anyway (a global-norm clip's), and sums the rest.
-      checked["finite"] = numerics.unscaled_all_finite(grads, state.scale, axis_name, witnesses)
+      # The quick check reuses any sum of squares of the gradients that the
+      # inner update makes anyway (a global-norm clip's), and reads the rest.
+      checked["finite"] = finite.unscaled_all_finite(grads, state.scale, axis_name, witnesses)
       return checked["finite"]
 
-    updates, inner_state = numerics.select_update(
+    updates, inner_state = selective_update.select_update(
         decide, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
-        state.inner_state, watch=numerics.float_leaves(unscaled),
-        unscaled_from=(numerics.float_leaves(grads), state.scale))
+        state.inner_state, watch=finite.float_leaves(unscaled),
+        unscaled_from=(finite.float_leaves(grads), state.scale))
     found_inf = jnp.logical_not(checked["finite"])
     scale, tracker, overflow = rule.adjust(state.scale, state.growth_tracker,
                                            state.overflow_count, found_inf)
@@ -260,7 +266,7 @@ def dynamic_loss_scale(
     hysteresis: int = 1,
     min_scale: Optional[float] = None,
     max_scale: Optional[float] = None,
-    axis_name: numerics.AxisName = None,
+    axis_name: finite.AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling.
 
@@ -296,11 +302,13 @@ def dynamic_loss_scale(
   as PyTorch unscales them (times ``float32(1 / scale)``), also for scales of
   2^126 and more, whose reciprocal is a denormal that XLA would flush to 0.
 
-  The finite check reads the gradients once (a plain sum per leaf; the
-  exact elementwise check runs only when a sum is not finite), and when the
-  inner update reduces every gradient anyway, as
-  ``optax.clip_by_global_norm`` does, its sums of squares are the check and
-  the gradients are not read again. Those sums are taken of the raw
+  The finite check holds whatever XLA does with the compiled step (fusion,
+  FMA contraction, excess precision, reordered sums; see
+  ``docs/concepts.md``). It reads the gradients once: a sum of ``|g|`` per
+  float32 leaf, the bits of each half-precision one, and the exact check
+  on the bits only when a sum is not finite. When the inner update reduces
+  every gradient anyway, as ``optax.clip_by_global_norm`` does, its sums of
+  squares are the check and the gradients are not read again. Those sums are taken of the raw
   gradients and scaled back where that gives the same bits (a power-of-two
   scale of at least 1, no overflow, a normal result), and of the unscaled
   ones otherwise; unscaled squares below the smallest normal float, which
@@ -357,7 +365,7 @@ def dynamic_loss_scale(
 
 
 def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
-                      axis_name: numerics.AxisName = None) -> optax.GradientTransformationExtraArgs:
+                      axis_name: finite.AxisName = None) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with a fixed loss scale; non-finite steps are still skipped.
 
   This is mmengine's ``AmpOptimWrapper(loss_scale=<float>)``. The scale is a

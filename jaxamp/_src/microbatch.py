@@ -12,7 +12,7 @@ import optax
 from jax import lax
 
 from jaxamp._src import loss_scale as loss_scale_lib
-from jaxamp._src import numerics
+from jaxamp._src import finite
 from jaxamp._src import sharding
 
 
@@ -82,7 +82,7 @@ def microbatch_value_and_grad(
     num_microbatches: int,
     *,
     has_aux: bool = False,
-    axis_name: numerics.AxisName = None,
+    axis_name: finite.AxisName = None,
     accumulator_dtype: Any = jnp.float32,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, computing a large batch as a scan over micro-batches.
@@ -205,7 +205,8 @@ def microbatch_value_and_grad(
     def body(carry, mb):
       acc, loss_sum = carry
       grads, (loss, aux) = grad_fn(params, mb)
-      acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
+      acc = jax.tree.map(lambda a, g: a + finite.as_stored(g).astype(a.dtype), acc, grads)
       return (acc, loss_sum + loss.astype(loss_sum.dtype)), aux
 
     if num == 1:

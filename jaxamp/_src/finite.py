@@ -1,0 +1,285 @@
+"""Unscaling and the finite check: whether a step's gradients may be applied.
+
+The check must agree with the values the update reads, whatever XLA does to
+the program. XLA may fuse the code that produces a gradient into every kernel
+that reads it (computing it again there), contract a multiply and the add that
+reads it into one fused multiply-add (the product is then never rounded, so a
+product that overflows in the stored gradient can be finite inside the FMA),
+keep bfloat16/float16 intermediates in float32 (excess precision), and reorder
+reductions. A check that sums the gradients is defeated by the second: the
+sum's additions absorb the gradient's last multiply. So every check here obeys
+three rules:
+
+1. **Nothing adds a gradient element before rounding it.** The first operation
+   applied to an element is a bitcast, an ``abs`` or a multiplication, never an
+   addition, a subtraction, a negation or a reduction, so no FMA can skip the
+   rounding of the value the update reads (an FMA fuses a multiply into an add
+   that reads its product; an ``abs``, a bitcast or a second multiply in between
+   leaves no such pattern).
+2. **Half-precision leaves are judged on their bits.** A bitcast to an integer
+   needs the value rounded to its own dtype, so excess precision cannot show
+   the check a finite float32 value where the stored bfloat16 is inf. (Where
+   excess precision lets the update read the float32 value, that value is
+   finite whenever the rounded one is: the safe direction.)
+3. **Reductions are order-free.** The quick check sums ``|x|``: terms that are
+   never negative cannot cancel, so any order of the sum is inf or nan when an
+   element is, and a finite sum proves every element finite. An overflowing
+   sum of finite values only sends the decision to the exact check. The exact
+   check reduces booleans, and the data-parallel reduction adds integers.
+
+One more property keeps the check and the update on the same values: each
+loss-scaling transformation passes the raw gradients through
+``lax.optimization_barrier``, so where XLA honours barriers through fusion
+(GPU and TPU) every kernel reads the one stored gradient. XLA:CPU removes
+barriers before fusion; there the soundness rests on a producer that is fused
+into several kernels computing the same rounded value in each (the same
+elemental code), which the compiled-versus-eager tests exercise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._src import sharding
+
+AxisName = Union[Hashable, Sequence[Hashable], None]
+
+_TWO_64 = 2.0**64
+# Scales at or above this have a reciprocal below the smallest normal float32.
+DENORMAL_RECIPROCAL = 2.0**126
+_UINT = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _is_float(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def float_leaves(tree: Any) -> list:
+  """The floating leaves of ``tree``, as arrays (a leaf that is one already is returned as is)."""
+  return [jnp.asarray(x) for x in jax.tree.leaves(tree) if _is_float(x)]
+
+
+def nonfinite_mask(x: jax.Array) -> jax.Array:
+  """Elementwise: whether ``x`` is inf or nan, read from its bits in its own dtype.
+
+  For the IEEE formats (float16, bfloat16, float32, float64) the exponent field
+  is all ones exactly for inf and nan. Other floating formats (float8) fall
+  back to ``~isfinite``; complex leaves check both parts.
+  """
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    return nonfinite_mask(x.real) | nonfinite_mask(x.imag)
+  info = jnp.finfo(x.dtype)
+  uint = _UINT.get(x.dtype.itemsize)
+  if uint is None or info.bits != 8 * x.dtype.itemsize or x.dtype.name.startswith("float8"):
+    return jnp.logical_not(jnp.isfinite(x))
+  exponent = np.array(((1 << info.nexp) - 1) << info.nmant, uint)
+  return (lax.bitcast_convert_type(x, uint) & exponent) == exponent
+
+
+def _exactly_finite(leaves: list) -> jax.Array:
+  """Whether every element of ``leaves`` is finite, from the bits of each element."""
+  checks = [jnp.logical_not(jnp.any(nonfinite_mask(x))) for x in leaves]
+  return jnp.stack(checks).all() if checks else jnp.array(True)
+
+
+def _probably_finite(leaves: list) -> jax.Array:
+  """A check that is never wrong when it says True.
+
+  Leaves of 32 bits or more: the sum of ``|x|`` (see the module docstring) is
+  finite. It is false for a sum of finite values that overflows, which the
+  exact check then corrects; it reads each element once through ``abs`` and
+  costs about a plain sum. Half-precision leaves are checked on their bits.
+  """
+  checks = []
+  for x in leaves:
+    if x.dtype.itemsize >= 4 and not jnp.issubdtype(x.dtype, jnp.complexfloating):
+      checks.append(jnp.isfinite(jnp.sum(jnp.abs(x))))
+    else:
+      checks.append(jnp.logical_not(jnp.any(nonfinite_mask(x))))
+  return jnp.stack(checks).all() if checks else jnp.array(True)
+
+
+def _quick_answer(quick: jax.Array, *args: Any) -> jax.Array:
+  # The quick answer (True where it is taken) rather than a constant: inside
+  # ``shard_map`` it varies over the mesh axes as the exact one does.
+  del args
+  return quick
+
+
+def _exact_answer(quick: jax.Array, leaves: list) -> jax.Array:
+  del quick
+  return _exactly_finite(leaves)
+
+
+def _reduce_over(ok: jax.Array, axes: tuple) -> jax.Array:
+  if not axes:
+    return ok
+  # psum of the failures: one integer all-reduce, the same answer everywhere.
+  return lax.psum(jnp.logical_not(ok).astype(jnp.int32), axes) == 0
+
+
+def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
+  """Returns one boolean scalar: whether every element of every leaf is finite.
+
+  Non-floating leaves (integers, booleans) are finite by definition. The
+  answer holds for the values as stored in each leaf's dtype, under any
+  rewrite XLA makes of the program that computes them (see
+  :mod:`jaxamp._src.finite`). With ``axis_name`` the answer is reduced across
+  that mapped axis (or tuple of axes) inside ``shard_map``/``pmap``, so every
+  device takes the same decision. Inside ``shard_map`` (``check_vma=True``)
+  axes over which the leaves are already invariant (e.g. after ``lax.pmean``)
+  need and get no collective, and leaves that vary over an axis
+  ``axis_name`` does not name are an error: the shards would decide
+  differently. ``pmap`` does not track variation, so there every named axis
+  is reduced and a missing ``axis_name`` cannot be detected.
+
+  Args:
+    tree: a pytree of arrays.
+    axis_name: a mapped axis name or a tuple of them; ``None`` for no
+      reduction; ``()`` for an explicitly per-shard answer.
+
+  Returns:
+    A ``bool`` scalar array.
+
+  Raises:
+    ValueError: inside ``shard_map`` when the leaves vary over a mesh axis
+      that ``axis_name`` does not cover.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxamp
+    >>> jaxamp.all_finite({'w': jnp.ones(3), 'b': jnp.array([1.0, jnp.inf])})
+    Array(False, dtype=bool)
+  """
+  axes = sharding.finite_reduction_axes(tree, axis_name)
+  leaves = float_leaves(tree)
+  # The exact check runs (in a lax.cond) only when the quick one fails; the
+  # answer comes out of the conditional, so XLA computes it once rather than
+  # in every elementwise kernel that selects with it.
+  quick = _probably_finite(leaves)
+  ok = lax.cond(quick, _quick_answer, _exact_answer, quick, leaves)
+  return _reduce_over(ok, axes)
+
+
+def as_stored(x: jax.Array) -> jax.Array:
+  """``x``, except that an element that is inf or nan in ``x``'s dtype is nan.
+
+  An accumulator that adds ``x`` to a running sum may otherwise receive it
+  unrounded: XLA can contract ``x``'s last multiply and the addition into one
+  FMA, so a product that overflows in ``x`` is finite in the sum. Reading
+  ``x`` through its bits first rounds it, and the selection that follows is
+  not a multiply that an addition could absorb.
+  """
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return x
+  return jnp.where(nonfinite_mask(x), jnp.full_like(x, jnp.nan), x)
+
+
+def stored_once(tree: Any) -> Any:
+  """``tree`` through ``lax.optimization_barrier``, leaf by leaf.
+
+  Where XLA honours barriers through fusion (GPU, TPU), every kernel that reads
+  a leaf then reads its one stored value instead of computing it again. Leaf
+  by leaf, so that inside ``shard_map`` a replicated leaf stays replicated.
+  """
+  return jax.tree.map(lax.optimization_barrier, tree)
+
+
+def _huge_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return jnp.float32(1.0 / _TWO_64), jnp.float32(_TWO_64) / scale
+
+
+def _normal_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return jnp.float32(1.0), jnp.float32(1.0) / scale
+
+
+def unscale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Two normal float32 factors whose product is ``float32(1 / scale)``, as XLA buffers.
+
+  A ``lax.cond``, not a ``where``: XLA:CPU fuses scalar code into each
+  elementwise kernel that uses it and re-runs it there for every element; a
+  conditional's results are computed once.
+  """
+  return lax.cond(scale >= DENORMAL_RECIPROCAL, _huge_factors, _normal_factors, scale)
+
+
+def unscale(tree: Any, scale: jax.Array) -> Any:
+  """Divides every floating leaf by ``scale``, bit for bit as PyTorch does.
+
+  PyTorch multiplies by ``float32(1 / scale)``. When the scale is 2^126 or
+  more, that reciprocal is a denormal, which XLA flushes to zero on CPU; then
+  the multiplication is split into two normal factors (``2^-64`` and
+  ``2^64 / scale``), so the result is the same as PyTorch's instead of zero.
+  Each leaf is computed in float32 and cast back to its own dtype.
+  """
+  factors = unscale_factors(jnp.asarray(scale, jnp.float32))
+  return jax.tree.map(lambda g: unscale_leaf(g, *factors), tree)
+
+
+def unscale_leaf(g: Any, first: jax.Array, second: jax.Array) -> Any:
+  """One leaf of :func:`unscale`, given :func:`unscale_factors`."""
+  g = jnp.asarray(g)
+  if not jnp.issubdtype(g.dtype, jnp.inexact):
+    return g
+  if jnp.issubdtype(g.dtype, jnp.complexfloating):
+    return lax.complex(unscale_leaf(g.real, first, second), unscale_leaf(g.imag, first, second))
+  # Half precision is computed in float32, float64 (with x64) in float64.
+  compute = g.dtype if g.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
+  return (g.astype(compute) * first.astype(compute) * second.astype(compute)).astype(g.dtype)
+
+
+def _unscaled_exactly_finite(quick: jax.Array, grads: Any, scale: jax.Array) -> jax.Array:
+  del quick
+  return _exactly_finite(float_leaves(unscale(grads, scale)))
+
+
+def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None,
+                        witnesses: Optional[Sequence[Optional[jax.Array]]] = None) -> jax.Array:
+  """Returns ``all_finite(unscale(grads, scale), axis_name)``, reading the gradients once.
+
+  The quick check reads the raw (scaled) gradients, which a jitted step
+  already holds: checking the unscaled ones would make XLA compute them for
+  the check too. When ``scale >= 1`` the unscaled gradients are finite
+  exactly where the raw ones are: unscaling multiplies by factors of at most
+  1, and a rounded product is never larger in magnitude than its exact value
+  rounded, so a finite element stays finite, and inf or nan stays non-finite.
+  Otherwise (a scale below 1 or nan, an overflowing sum, a genuine inf or
+  nan) the unscaled gradients are checked exactly, on their bits, inside a
+  ``lax.cond`` that a good step skips. The answer comes out of that
+  conditional, so XLA computes it once rather than in every elementwise
+  kernel that selects with it.
+
+  Args:
+    grads: a pytree of (scaled) gradients.
+    scale: the loss scale they are divided by, as :func:`unscale` does.
+    axis_name: as in :func:`all_finite`.
+    witnesses: one entry per floating leaf of ``grads``: a scalar that is
+      non-finite whenever the (scaled or unscaled) leaf has a non-finite
+      element (a sum of squares the inner update computes anyway, see
+      :func:`jaxamp._src.selective_update.select_update`), used by the quick
+      check instead of the leaf's own sum; or ``None``.
+
+  Returns:
+    A ``bool`` scalar array.
+
+  Raises:
+    ValueError: as :func:`all_finite`.
+  """
+  scale = jnp.asarray(scale, jnp.float32)
+  axes = sharding.finite_reduction_axes(grads, axis_name)
+  leaves = float_leaves(grads)
+  witnesses = [None] * len(leaves) if witnesses is None else witnesses
+  checks = [jnp.isfinite(w) for w in witnesses if w is not None]
+  checks.append(_probably_finite([x for x, w in zip(leaves, witnesses) if w is None]))
+  # A NaN scale fails ``scale >= 1`` and takes the exact path.
+  checks.append(scale >= 1.0)
+  quick = jnp.stack(checks).all()
+  ok = lax.cond(quick, _quick_answer, _unscaled_exactly_finite, quick, grads, scale)
+  return _reduce_over(ok, axes)

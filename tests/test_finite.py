@@ -1,0 +1,174 @@
+"""Unscaling and the finite check."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jaxamp
+from jaxamp._src import finite
+
+F32_TINY = float(np.finfo(np.float32).tiny)
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def bits(x):
+  return np.asarray(x).view(np.uint32 if np.asarray(x).dtype == np.float32 else np.uint16)
+
+
+def torch_unscale(g, scale):
+  """PyTorch's unscale: g * float32(1 / float64(scale)), denormals kept (numpy keeps them)."""
+  inv = np.float32(1.0 / np.float64(np.float32(scale)))
+  return (np.asarray(g, np.float32) * inv).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------- all_finite
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_all_finite_detects_every_kind_of_non_finite(bad):
+  tree = {"a": jnp.ones(5), "b": jnp.array([1.0, 2.0, bad, 3.0])}
+  assert bool(jaxamp.all_finite(tree)) is False
+  assert bool(jax.jit(jaxamp.all_finite)(tree)) is False
+  assert bool(jaxamp.all_finite({"a": jnp.ones(5)})) is True
+
+
+def test_all_finite_ignores_integers_and_accepts_an_empty_tree():
+  ints = {"i": jnp.array([2**31 - 1, -5], jnp.int32), "b": jnp.array([True, False])}
+  assert bool(jaxamp.all_finite(ints)) is True
+  assert bool(jaxamp.all_finite({})) is True
+  assert bool(jaxamp.all_finite(())) is True
+  mixed = {"i": jnp.arange(3), "f": jnp.array([jnp.nan])}
+  assert bool(jaxamp.all_finite(mixed)) is False
+  out = jax.jit(jaxamp.all_finite)({})
+  assert out.dtype == jnp.bool_ and out.shape == ()
+
+
+def test_all_finite_low_precision_complex_and_huge_finite_values():
+  assert bool(jaxamp.all_finite(jnp.array([1.0, jnp.inf], jnp.bfloat16))) is False
+  assert bool(jaxamp.all_finite(jnp.array([1.0, jnp.nan], jnp.float16))) is False
+  assert bool(jaxamp.all_finite(jnp.array([1 + 1j, complex(0, np.inf)], jnp.complex64))) is False
+  # Values whose sum or squares overflow are still finite.
+  huge = jnp.full(1000, F32_MAX, jnp.float32)
+  assert bool(jax.jit(jaxamp.all_finite)(huge)) is True
+
+
+# ---------------------------------------------------------------------------- unscale / the check
+
+SCALES = [1.0, 2.0**16, 1000.0, 1.5 * 2**20, 0.3, 2.0**-10, F32_TINY, 2.0**125, 2.0**126, 2.0**127,
+          3.0 * 2**126]
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_unscale_matches_pytorch_bit_for_bit(scale):
+  rng = np.random.default_rng(0)
+  g = rng.uniform(-1.0, 1.0, 64)
+  g = (g * scale if scale > 1 else g).astype(np.float32)
+  got = np.asarray(jax.jit(finite.unscale)(jnp.asarray(g), jnp.float32(scale)))
+  want = torch_unscale(g, scale)
+  if scale >= 2.0**126 and math.frexp(scale)[0] != 0.5:
+    # PyTorch's reciprocal is a denormal with fewer significant bits; ours has all 24.
+    np.testing.assert_allclose(got, g / np.float32(scale), rtol=2e-7)
+  else:
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_unscale_at_2_127_is_exact_not_flushed_to_zero():
+  g = jnp.array([2.0**127, -(2.0**126), 3.0 * 2**120, 0.0], jnp.float32)
+  got = jax.jit(finite.unscale)(g, jnp.float32(2.0**127))
+  np.testing.assert_array_equal(np.asarray(got), [1.0, -0.5, 3.0 * 2**-7, 0.0])
+
+
+def test_unscale_keeps_dtypes_and_ignores_integers():
+  tree = {"f": jnp.ones(3, jnp.bfloat16), "i": jnp.arange(3), "c": jnp.ones(2, jnp.complex64)}
+  out = finite.unscale(tree, jnp.float32(4.0))
+  assert jax.tree.map(lambda x: x.dtype, out) == jax.tree.map(lambda x: x.dtype, tree)
+  np.testing.assert_array_equal(out["i"], tree["i"])
+  np.testing.assert_array_equal(out["f"].astype(jnp.float32), 0.25)
+  np.testing.assert_array_equal(out["c"], 0.25 + 0j)
+
+
+_check = jax.jit(finite.unscaled_all_finite)
+
+
+@settings(derandomize=True, deadline=None, max_examples=60)
+@given(scale=st.sampled_from(SCALES + [0.5, 1e-30, 1e-38]),
+       values=st.lists(st.sampled_from([0.0, 1.0, -3.5, 1e30, -3e38, F32_MAX, 1e-40, np.inf, -np.inf,
+                                        np.nan]), min_size=1, max_size=6))
+def test_unscaled_all_finite_is_all_finite_of_the_unscaled_gradients(scale, values):
+  grads = {"a": jnp.asarray(values, jnp.float32), "b": jnp.ones(3), "i": jnp.arange(2)}
+  unscaled = finite.unscale(grads, jnp.float32(scale))
+  want = all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(unscaled))
+  assert bool(_check(grads, jnp.float32(scale))) is want
+  assert bool(jax.jit(jaxamp.all_finite)(unscaled)) is want
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**16])
+def test_a_sum_that_overflows_is_not_an_overflow(scale):
+  # The quick check sums each leaf; finite values whose sum is inf are finite.
+  grads = {"w": jnp.array([F32_MAX, F32_MAX, -1.0], jnp.float32), "b": jnp.ones(2)}
+  assert bool(jax.jit(jaxamp.all_finite)(grads)) is True
+  assert bool(_check(grads, jnp.float32(scale))) is True
+  grads["b"] = jnp.array([1.0, np.nan])
+  assert bool(jax.jit(jaxamp.all_finite)(grads)) is False
+  assert bool(_check(grads, jnp.float32(scale))) is False
+
+
+def test_unscaled_all_finite_catches_an_overflow_of_finite_gradients_below_scale_1():
+  grads = {"w": jnp.array([1e37, 1.0], jnp.float32)}
+  assert bool(_check(grads, jnp.float32(1.0))) is True
+  assert bool(_check(grads, jnp.float32(0.01))) is False  # 1e39 is inf in float32
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_nonfinite_mask_reads_the_bits_of_each_dtype(dtype):
+  info = jnp.finfo(dtype)
+  values = np.array([0.0, -0.0, 1.0, -2.5, float(info.max), -float(info.max), float(info.tiny),
+                     float(info.tiny) / 4, np.inf, -np.inf, np.nan], np.float32)
+  x = jnp.asarray(values).astype(dtype)
+  got = jax.jit(finite.nonfinite_mask)(x)
+  np.testing.assert_array_equal(got, ~np.isfinite(np.asarray(x, np.float32)))
+
+
+def test_nonfinite_mask_of_complex_checks_both_parts():
+  x = jnp.array([1 + 1j, complex(np.inf, 0), complex(0, np.nan)], jnp.complex64)
+  np.testing.assert_array_equal(finite.nonfinite_mask(x), [False, True, True])
+
+
+# The gradient of sum(p * x) * s is x * s: with s = 2^127 one element overflows
+# to -inf, while a sum that XLA fuses with that multiply (an FMA) stays finite.
+_X = jnp.array([1.779, -3.37, 1.209, 1.717], jnp.float32)
+_S = jnp.float32(2.0**127)
+
+
+def _grad_in_jit(p, x, s):
+  return jax.grad(lambda p: jnp.sum(p * x) * s)(p)
+
+
+def test_the_checks_hold_when_the_gradient_is_computed_in_the_same_program():
+  @jax.jit
+  def checks(p, x, s):
+    g = _grad_in_jit(p, x, s)
+    return (finite.all_finite(g), finite.unscaled_all_finite(g, s),
+            finite.unscaled_all_finite(g, jnp.float32(0.5)))
+
+  assert not any(bool(c) for c in checks(jnp.ones(4), _X, _S))
+
+
+def test_as_stored_rounds_what_an_accumulator_adds():
+  @jax.jit
+  def accumulate(acc, p, x, s):
+    g = _grad_in_jit(p, x, s)
+    return acc + finite.as_stored(g), acc + g
+
+  stored, unrounded = accumulate(jnp.full(4, 3e38, jnp.float32), jnp.ones(4), _X, _S)
+  assert not np.isfinite(np.asarray(stored)[1])
+  del unrounded  # what XLA makes of the plain sum depends on whether it contracts it
+  np.testing.assert_array_equal(finite.as_stored(jnp.array([1.0, np.inf, -0.0])),
+                                [1.0, np.nan, -0.0])
