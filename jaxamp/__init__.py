@@ -1,10 +1,7 @@
 """jaxamp: automatic mixed precision for JAX, built on optax."""
 
 from jaxamp import paddle
-from jaxamp._src.accumulation import AccumulationState
 from jaxamp._src.accumulation import accumulate_gradients
-from jaxamp._src.accumulation import get_accumulation_state
-from jaxamp._src.accumulation import has_updated
 from jaxamp._src.clipping import ClipGradNormState
 from jaxamp._src.clipping import clip_grad_norm
 from jaxamp._src.clipping import clip_grad_value
@@ -14,14 +11,7 @@ from jaxamp._src.facade.mmengine import AmpOptimWrapper
 from jaxamp._src.facade.mmengine import OptimWrapper
 from jaxamp._src.facade.mmengine import OptimWrapperDict
 from jaxamp._src.facade.torch import GradScaler
-from jaxamp._src.loss_scale import DEFAULT_MAX_SCALE
-from jaxamp._src.loss_scale import DEFAULT_MIN_SCALE
-from jaxamp._src.loss_scale import LossScaleState
 from jaxamp._src.loss_scale import dynamic_loss_scale
-from jaxamp._src.loss_scale import get_loss_scale
-from jaxamp._src.loss_scale import get_loss_scale_state
-from jaxamp._src.loss_scale import scale_loss
-from jaxamp._src.loss_scale import set_loss_scale
 from jaxamp._src.loss_scale import static_loss_scale
 from jaxamp._src.microbatch import microbatch_value_and_grad
 from jaxamp._src.finite import all_finite
@@ -29,9 +19,19 @@ from jaxamp._src.policy import Policy
 from jaxamp._src.policy import get_policy
 from jaxamp._src.policy import mixed_precision
 from jaxamp._src.selective_update import set_fused_selection
+from jaxamp._src.state import DEFAULT_MAX_SCALE
+from jaxamp._src.state import DEFAULT_MIN_SCALE
+from jaxamp._src.state import AccumulationState
+from jaxamp._src.state import LossScaleState
+from jaxamp._src.state import get_accumulation_state
+from jaxamp._src.state import get_loss_scale
+from jaxamp._src.state import get_loss_scale_state
+from jaxamp._src.state import has_updated
+from jaxamp._src.state import scale_loss
+from jaxamp._src.state import set_loss_scale
+from jaxamp._src.state import skipped_steps
+from jaxamp._src.state import update_applied
 from jaxamp._src.train_state import TrainState
-from jaxamp._src.train_state import skipped_steps
-from jaxamp._src.train_state import update_applied
 
 __version__ = "0.1.0"
 

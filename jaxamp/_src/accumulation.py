@@ -21,135 +21,14 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxamp._src import loss_scale as loss_scale_lib
 from jaxamp._src import finite
 from jaxamp._src import numerics
 from jaxamp._src import sharding
+from jaxamp._src import state as state_lib
+from jaxamp._src import validation
+from jaxamp._src.state import AccumulationState
 
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-
-
-class AccumulationState(NamedTuple):
-  """State of :func:`accumulate_gradients`.
-
-  Every counter is an int32 scalar that saturates instead of wrapping.
-
-  Attributes:
-    mini_step: micro-steps already accumulated in the open window (0 right
-      after a window closed).
-    gradient_step: windows closed so far, i.e. the optimizer steps emitted
-      (a window dropped for non-finite gradients counts as closed).
-    micro_step: micro-steps seen in total (mmengine's ``inner_count``); a value
-      above ``total_steps`` records a call past the end.
-    updated: bool, whether the last call closed a window (see
-      :func:`has_updated`).
-    skipped_windows: windows dropped by the wrapper because their
-      accumulated gradients held an inf or a nan (0 when the inner
-      transformation is a loss scaler, which then does the skipping and
-      counts it in its own state).
-    acc_grads: the accumulated gradients (a pytree like the parameters, in
-      the accumulator dtype); an empty ``optax.EmptyState()`` when
-      ``every_k == 1``.
-    inner_state: the state of the wrapped transformation.
-  """
-
-  mini_step: jax.Array
-  gradient_step: jax.Array
-  micro_step: jax.Array
-  updated: jax.Array
-  skipped_windows: jax.Array
-  acc_grads: Any
-  inner_state: optax.OptState
-
-
-def _is_accumulation_state(node: Any) -> bool:
-  return isinstance(node, AccumulationState)
-
-
-def _is_scale_state(node: Any) -> bool:
-  return isinstance(node, loss_scale_lib.LossScaleState)
-
-
-def get_accumulation_state(opt_state: optax.OptState) -> AccumulationState:
-  """Finds the (outermost) :class:`AccumulationState` anywhere inside ``opt_state``.
-
-  Raises:
-    ValueError: when ``opt_state`` holds no accumulation state.
-  """
-  for node in jax.tree.leaves(opt_state, is_leaf=_is_accumulation_state):
-    if _is_accumulation_state(node):
-      return node
-  raise ValueError(
-      "No accumulation state found in the optimizer state (of type "
-      f"{type(opt_state).__name__}). Build the optimizer with jaxamp.accumulate_gradients(...).")
-
-
-def has_updated(opt_state: optax.OptState) -> jax.Array:
-  """Whether the last update closed an accumulation window (a bool device scalar).
-
-  Finds the (outermost) :class:`AccumulationState` anywhere inside
-  ``opt_state`` (through ``optax.chain``, ``inject_hyperparams``, ...). True
-  means the updates returned by that call came from the inner transformation
-  (or were zeros because the window was dropped as non-finite); False means
-  the call only accumulated. No host sync: wrap it in ``bool()`` only where a
-  Python value is needed.
-
-  Raises:
-    ValueError: when ``opt_state`` holds no accumulation state.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, jaxamp
-    >>> tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 2)
-    >>> state = tx.init({'w': jnp.zeros(2)})
-    >>> _, state = tx.update({'w': jnp.ones(2)}, state)
-    >>> jaxamp.has_updated(state)
-    Array(False, dtype=bool)
-    >>> _, state = tx.update({'w': jnp.ones(2)}, state)
-    >>> jaxamp.has_updated(state)
-    Array(True, dtype=bool)
-  """
-  return get_accumulation_state(opt_state).updated
-
-
-def warn_if_accumulation_inside(inner_state: optax.OptState, outer: str) -> None:
-  """Warns when a loss scaler wraps an accumulator (the per-micro-step nesting).
-
-  Called by the loss-scaling transformations at ``init``.
-  """
-  if any(_is_accumulation_state(n)
-         for n in jax.tree.leaves(inner_state, is_leaf=_is_accumulation_state)):
-    warnings.warn(
-        f"jaxamp.{outer}(...) wraps jaxamp.accumulate_gradients(...): the scale is then "
-        "checked and adjusted on every micro-step, a non-finite micro-batch is dropped from "
-        "its window (which waits for one more micro-batch, so windows drift away from "
-        "total_steps), and growth_interval counts micro-steps. For PyTorch's recipe (one scale "
-        "per window, a non-finite micro-batch skips the whole window) nest them the other "
-        f"way: jaxamp.accumulate_gradients(jaxamp.{outer}(inner), every_k).",
-        UserWarning, stacklevel=3)
-
-
-def _check_int(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-  if value < 1:
-    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-  if value > np.iinfo(np.int32).max:
-    raise ValueError(f"{name} must fit in int32 (<= {np.iinfo(np.int32).max}), got {value!r}")
-  return int(value)
-
-
-def _check_accumulator_dtype(dtype: Any) -> Optional[jnp.dtype]:
-  if dtype is None:
-    return None
-  try:
-    out = jnp.dtype(dtype)
-  except TypeError:
-    raise TypeError(f"accumulator_dtype must be None or a floating-point dtype, got {dtype!r}"
-                    ) from None
-  if not jnp.issubdtype(out, jnp.floating):
-    raise ValueError(f"accumulator_dtype must be None or a floating-point dtype "
-                     f"(float32 is usual), got {out}")
-  return out
 
 
 def _zero_update(g: jax.Array, varying: frozenset) -> jax.Array:
@@ -305,14 +184,14 @@ def accumulate_gradients(
     >>> updates['w']
     Array([-3., -3.], dtype=float32)
   """
-  inner = loss_scale_lib._check_inner(inner)  # pylint: disable=protected-access
-  k = _check_int("every_k", every_k)
+  inner = validation.check_transformation("inner", inner)
+  k = validation.check_int("every_k", every_k)
   if not isinstance(average, (bool, np.bool_)):
     raise TypeError(f"average must be a bool, got {average!r} of type {type(average).__name__}")
   average = bool(average)
   if total_steps is not None:
-    total_steps = _check_int("total_steps", total_steps)
-  acc_dtype = _check_accumulator_dtype(accumulator_dtype)
+    total_steps = validation.check_int("total_steps", total_steps)
+  acc_dtype = validation.check_float_dtype("accumulator_dtype", accumulator_dtype, allow_none=True)
   if not isinstance(raise_past_end, (bool, np.bool_)):
     raise TypeError(f"raise_past_end must be a bool, got {raise_past_end!r} of type "
                     f"{type(raise_past_end).__name__}")
@@ -345,8 +224,7 @@ def accumulate_gradients(
   def update_fn(grads, state, params=None, **extra_args):
     grads = finite.stored_once(grads)  # one stored copy, as in the loss scalers
     # Static: a loss scaler inside does its own finite check and skipping.
-    scaler_inside = any(_is_scale_state(n) for n in
-                        jax.tree.leaves(state.inner_state, is_leaf=_is_scale_state))
+    scaler_inside = state_lib.skips_nonfinite_steps(state.inner_state)
 
     # Inside shard_map, the axes the updates vary over: those of everything they
     # are computed from, except axis_name, over which the gradients are reduced.

@@ -16,38 +16,9 @@ from jax import lax
 from jaxamp._src import finite
 from jaxamp._src import numerics
 from jaxamp._src import selective_update
-
-#: Default floor of the dynamic scale: the smallest normal float32. Far below any
-#: scale a real run reaches, it only stops the degenerate slide to 0.0.
-DEFAULT_MIN_SCALE = float(np.finfo(np.float32).tiny)
-#: Default ceiling: the largest finite float32. A growth that would overflow is
-#: refused, exactly as PyTorch refuses to grow to inf.
-DEFAULT_MAX_SCALE = float(np.finfo(np.float32).max)
-
-
-class LossScaleState(NamedTuple):
-  """State of :func:`dynamic_loss_scale` and :func:`static_loss_scale`.
-
-  Every field is an array with a fixed dtype, so the state can be logged,
-  checkpointed and carried through ``lax.scan`` without a host sync.
-
-  Attributes:
-    scale: float32 scalar, the factor the loss is multiplied by.
-    growth_tracker: int32, consecutive finite steps since the scale last
-      changed (PyTorch's ``_growth_tracker``, Paddle's ``incr_count``).
-    overflow_count: int32, consecutive non-finite steps not yet acted on
-      (Paddle's ``decr_count``; always 0 with ``hysteresis=1``).
-    skipped: bool, whether the last update was skipped for non-finite grads.
-    skipped_steps: int32, how many updates were skipped in total (saturates).
-    inner_state: the state of the wrapped transformation.
-  """
-
-  scale: jax.Array
-  growth_tracker: jax.Array
-  overflow_count: jax.Array
-  skipped: jax.Array
-  skipped_steps: jax.Array
-  inner_state: optax.OptState
+from jaxamp._src import state as state_lib
+from jaxamp._src import validation
+from jaxamp._src.state import DEFAULT_MAX_SCALE, DEFAULT_MIN_SCALE, LossScaleState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,68 +77,20 @@ class ScaleRule:
     return new_scale, new_tracker, new_overflow
 
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-def _concrete_scalar(value: Any) -> Any:
-  """Unwraps a concrete 0-d numpy/JAX array; refuses traced values."""
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(
-        f"got the traced value {value!r}; loss-scaling hyperparameters select code at "
-        "construction and must be Python numbers (with optax.inject_hyperparams, list them "
-        "in static_args)")
-  if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
-    return np.asarray(value).item()
-  return value
-
-
-def _check_number(name: str, value: Any) -> float:
-  try:
-    value = _concrete_scalar(value)
-  except TypeError as err:
-    raise TypeError(f"{name} must be a real number: {err}") from None
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
-  value = float(value)
-  if not np.isfinite(value):
-    raise ValueError(f"{name} must be finite, got {value!r}")
-  return value
-
-
-def _check_int(name: str, value: Any) -> int:
-  try:
-    value = _concrete_scalar(value)
-  except TypeError as err:
-    raise TypeError(f"{name} must be an int: {err}") from None
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-  if not 1 <= value <= _INT32_MAX:
-    raise ValueError(f"{name} must be an int in [1, {_INT32_MAX}] (its counter is an int32), "
-                     f"got {value!r}")
-  return int(value)
-
-
-def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
-  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
-    raise TypeError(
-        f"inner must be an optax GradientTransformation (with init and update), got {inner!r}")
-  return optax.with_extra_args_support(inner)
-
-
 def make_rule(*, growth_factor: float = 2.0, backoff_factor: float = 0.5,
               growth_interval: int = 2000, hysteresis: int = 1,
               min_scale: Optional[float] = None, max_scale: Optional[float] = None) -> ScaleRule:
   """Validates the hyperparameters of the dynamic rule and returns it."""
-  growth_factor = _check_number("growth_factor", growth_factor)
+  growth_factor = validation.check_finite("growth_factor", growth_factor)
   if growth_factor <= 1.0:
     raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
-  backoff_factor = _check_number("backoff_factor", backoff_factor)
+  backoff_factor = validation.check_finite("backoff_factor", backoff_factor)
   if not 0.0 < backoff_factor < 1.0:
     raise ValueError(f"backoff_factor must be in the open interval (0, 1), got {backoff_factor!r}")
-  growth_interval = _check_int("growth_interval", growth_interval)
-  hysteresis = _check_int("hysteresis", hysteresis)
-  min_scale = DEFAULT_MIN_SCALE if min_scale is None else _check_number("min_scale", min_scale)
-  max_scale = DEFAULT_MAX_SCALE if max_scale is None else _check_number("max_scale", max_scale)
+  growth_interval = validation.check_int("growth_interval", growth_interval)
+  hysteresis = validation.check_int("hysteresis", hysteresis)
+  min_scale = DEFAULT_MIN_SCALE if min_scale is None else validation.check_finite("min_scale", min_scale)
+  max_scale = DEFAULT_MAX_SCALE if max_scale is None else validation.check_finite("max_scale", max_scale)
   if min_scale < DEFAULT_MIN_SCALE:
     raise ValueError(
         f"min_scale must be a normal float32, at least {DEFAULT_MIN_SCALE!r} (smaller scales are "
@@ -182,15 +105,20 @@ def make_rule(*, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                    min_scale, max_scale, True)
 
 
-def check_scale(name: str, value: Any, low: float = 0.0, high: float = DEFAULT_MAX_SCALE) -> float:
-  """Validates a positive, finite loss scale within ``[low, high]``."""
-  value = _check_number(name, value)
-  if value <= 0.0:
-    raise ValueError(f"{name} must be a positive, finite number, got {value!r}")
-  if not low <= value <= high:
-    raise ValueError(f"{name} must lie in [min_scale, max_scale] = [{low!r}, {high!r}], "
-                     f"got {value!r}")
-  return value
+def warn_if_accumulation_inside(inner_state: optax.OptState, outer: str) -> None:
+  """Warns when a loss scaler wraps an accumulator (the per-micro-step nesting).
+
+  Called by the loss-scaling transformations at ``init``.
+  """
+  if state_lib.find_states(inner_state, state_lib.AccumulationState):
+    warnings.warn(
+        f"jaxamp.{outer}(...) wraps jaxamp.accumulate_gradients(...): the scale is then "
+        "checked and adjusted on every micro-step, a non-finite micro-batch is dropped from "
+        "its window (which waits for one more micro-batch, so windows drift away from "
+        "total_steps), and growth_interval counts micro-steps. For PyTorch's recipe (one scale "
+        "per window, a non-finite micro-batch skips the whole window) nest them the other "
+        f"way: jaxamp.accumulate_gradients(jaxamp.{outer}(inner), every_k).",
+        UserWarning, stacklevel=3)
 
 
 def check_grad_dtypes(tree: Any, what: str) -> None:
@@ -210,14 +138,12 @@ def check_grad_dtypes(tree: Any, what: str) -> None:
 
 def _scaling(inner: Any, init_scale: float, rule: ScaleRule,
              axis_name: finite.AxisName) -> optax.GradientTransformationExtraArgs:
-  inner = _check_inner(inner)
+  inner = validation.check_transformation("inner", inner)
 
   def init_fn(params):
     check_grad_dtypes(params, "params")
     inner_state = inner.init(params)
-    # Deferred import: the accumulation module imports this one.
-    from jaxamp._src import accumulation  # pylint: disable=import-outside-toplevel
-    accumulation.warn_if_accumulation_inside(
+    warn_if_accumulation_inside(
         inner_state, "dynamic_loss_scale" if rule.dynamic else "static_loss_scale")
     return LossScaleState(
         scale=jnp.asarray(init_scale, jnp.float32),
@@ -356,11 +282,11 @@ def dynamic_loss_scale(
     >>> updates['w'], state.scale, state.skipped
     (Array([-0., -0.], dtype=float32), Array(4., dtype=float32), Array(True, dtype=bool))
   """
-  init_scale_ = check_scale("init_scale", init_scale)
+  init_scale_ = validation.check_scale("init_scale", init_scale)
   rule = make_rule(growth_factor=growth_factor, backoff_factor=backoff_factor,
                    growth_interval=growth_interval, hysteresis=hysteresis,
                    min_scale=min_scale, max_scale=max_scale)
-  check_scale("init_scale", init_scale_, rule.min_scale, rule.max_scale)
+  validation.check_scale("init_scale", init_scale_, rule.min_scale, rule.max_scale)
   return _scaling(inner, init_scale_, rule, axis_name)
 
 
@@ -388,100 +314,12 @@ def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
     >>> updates['w']
     Array([-1.,  2.], dtype=float32)
   """
-  scale_ = check_scale("scale", scale)
+  scale_ = validation.check_scale("scale", scale)
   return _scaling(inner, scale_, ScaleRule(dynamic=False), axis_name)
 
 
-def _is_scale_state(node: Any) -> bool:
-  return isinstance(node, LossScaleState)
 
 
-def get_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
-  """Finds the (outermost) :class:`LossScaleState` anywhere inside ``opt_state``.
-
-  Raises:
-    ValueError: when ``opt_state`` holds no loss-scale state.
-  """
-  for node in jax.tree.leaves(opt_state, is_leaf=_is_scale_state):
-    if _is_scale_state(node):
-      return node
-  raise ValueError(
-      "No loss-scale state found in the optimizer state (of type "
-      f"{type(opt_state).__name__}). Build the optimizer with jaxamp.dynamic_loss_scale(...) "
-      "or jaxamp.static_loss_scale(...).")
-
-
-def get_loss_scale(opt_state: optax.OptState) -> jax.Array:
-  """Returns the current loss scale (a float32 device scalar) found in ``opt_state``.
-
-  Works through ``optax.chain``, ``optax.inject_hyperparams``,
-  :func:`accumulate_gradients` and any other nesting of optax states.
-
-  Raises:
-    ValueError: when ``opt_state`` holds no loss-scale state.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, jaxamp
-    >>> tx = optax.chain(optax.identity(), jaxamp.dynamic_loss_scale(optax.adam(1e-3)))
-    >>> jaxamp.get_loss_scale(tx.init({'w': jnp.zeros(3)}))
-    Array(65536., dtype=float32)
-  """
-  return get_loss_scale_state(opt_state).scale
-
-
-def scale_loss(loss: jax.Array, opt_state: optax.OptState) -> jax.Array:
-  """Multiplies ``loss`` by the loss scale held in ``opt_state``.
-
-  Half-precision losses are promoted to float32 first (65536 is not a finite
-  float16), so compute the final reduction of your loss in float32 or let
-  this do it.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, jaxamp
-    >>> state = jaxamp.static_loss_scale(optax.sgd(0.1), 4.0).init({'w': jnp.zeros(1)})
-    >>> jaxamp.scale_loss(jnp.float32(0.5), state)
-    Array(2., dtype=float32)
-  """
-  scale = get_loss_scale(opt_state)
-  loss = jnp.asarray(loss)
-  if not (jnp.issubdtype(loss.dtype, jnp.inexact) and loss.dtype.itemsize >= 4):
-    loss = loss.astype(jnp.float32)  # integers and half precision
-  return loss * scale.astype(loss.dtype)
-
-
-def set_loss_scale(opt_state: optax.OptState, scale: Any) -> optax.OptState:
-  """Returns ``opt_state`` with every loss scale inside it set to ``scale``.
-
-  The growth tracker and overflow count are left as they are (as PyTorch's
-  ``update(new_scale)``). No recompilation: the scale is a state leaf, and
-  ``scale`` may be a Python number (checked to be positive and finite) or a
-  scalar array (a traced one too, which cannot be checked).
-
-  Raises:
-    TypeError: when ``scale`` is neither a real number nor a real scalar array.
-    ValueError: when ``scale`` is not a scalar, not positive and finite, or
-      ``opt_state`` holds no loss-scale state.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, jaxamp
-    >>> tx = optax.chain(optax.identity(), jaxamp.dynamic_loss_scale(optax.sgd(0.1)))
-    >>> state = jaxamp.set_loss_scale(tx.init({'w': jnp.zeros(2)}), 1024.0)
-    >>> jaxamp.get_loss_scale(state)
-    Array(1024., dtype=float32)
-  """
-  get_loss_scale_state(opt_state)  # a clear error when there is none
-  if isinstance(scale, jax.core.Tracer):
-    if scale.shape != () or not (jnp.issubdtype(scale.dtype, jnp.floating)
-                                 or jnp.issubdtype(scale.dtype, jnp.integer)):
-      raise TypeError(f"scale must be a real scalar, got a traced {scale.dtype} array of "
-                      f"shape {scale.shape}")
-    value = scale.astype(jnp.float32)
-  else:
-    if isinstance(scale, (np.ndarray, jax.Array)) and np.ndim(scale) != 0:
-      raise ValueError(f"scale must be a scalar, got an array of shape {np.shape(scale)}")
-    value = jnp.asarray(check_scale("scale", scale), jnp.float32)
-
-  def put(node):
-    return node._replace(scale=value) if _is_scale_state(node) else node
-
-  return jax.tree.map(put, opt_state, is_leaf=_is_scale_state)
+# Until the facades import them from jaxamp._src.validation.
+check_scale = validation.check_scale
+_check_number = validation.check_finite

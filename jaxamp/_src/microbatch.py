@@ -11,20 +11,10 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxamp._src import loss_scale as loss_scale_lib
 from jaxamp._src import finite
 from jaxamp._src import sharding
-
-
-def _check_accumulator_dtype(dtype: Any) -> jnp.dtype:
-  try:
-    out = jnp.dtype(dtype)
-  except TypeError:
-    raise TypeError(f"accumulator_dtype must be a floating-point dtype, got {dtype!r}") from None
-  if not jnp.issubdtype(out, jnp.floating):
-    raise ValueError(f"accumulator_dtype must be a floating-point dtype (float32 is usual), "
-                     f"got {out}")
-  return out
+from jaxamp._src import state as state_lib
+from jaxamp._src import validation
 
 
 def _wider(dtype: jnp.dtype, floor: jnp.dtype) -> jnp.dtype:
@@ -46,7 +36,7 @@ def _scale_value(loss_scale: Any) -> Optional[jax.Array]:
       raise ValueError("loss_scale must be a scalar or an optimizer state holding a loss "
                        f"scale, got an array of shape {value.shape} and dtype {value.dtype}")
     return value.astype(jnp.float32)
-  return loss_scale_lib.get_loss_scale(loss_scale)
+  return state_lib.get_loss_scale(loss_scale)
 
 
 def _split(batch: Any, num: int) -> Any:
@@ -168,7 +158,7 @@ def microbatch_value_and_grad(
   num = int(num_microbatches)
   if not isinstance(has_aux, (bool, np.bool_)):
     raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
-  acc_dtype = _check_accumulator_dtype(accumulator_dtype)
+  acc_dtype = validation.check_float_dtype("accumulator_dtype", accumulator_dtype)
 
   def fn(params: optax.Params, batch: Any, *args: Any, loss_scale: Any = None,
          **kwargs: Any) -> Any:

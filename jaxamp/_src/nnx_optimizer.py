@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxamp._src import train_state
+from jaxamp._src import state as state_lib
 
 
 class Optimizer(nnx.Optimizer):
@@ -66,7 +66,7 @@ class Optimizer(nnx.Optimizer):
     step = self.step[...]
     before = nnx.as_pure(self.opt_state)
     updates = super().update(model, grads, **kwargs)
-    applied = train_state.update_applied(before, nnx.as_pure(self.opt_state))
+    applied = state_lib.update_applied(before, nnx.as_pure(self.opt_state))
     top = jnp.asarray(jnp.iinfo(step.dtype).max, step.dtype)
     advanced = jnp.where(step < top, step + jnp.ones([], step.dtype), step)
     self.step[...] = jnp.where(applied, advanced, step).astype(step.dtype)
@@ -75,13 +75,13 @@ class Optimizer(nnx.Optimizer):
   @property
   def loss_scale(self) -> jax.Array:
     """The current loss scale (float32 scalar); 1.0 without loss scaling."""
-    return train_state.loss_scale_or_one(nnx.as_pure(self.opt_state))
+    return state_lib.loss_scale_or_one(nnx.as_pure(self.opt_state))
 
   def scale_loss(self, loss: Any) -> jax.Array:
     """Returns ``loss * loss_scale``, promoting a half-precision loss to float32."""
-    return train_state.multiply_by_scale(loss, self.loss_scale)
+    return state_lib.multiply_by_scale(loss, self.loss_scale)
 
   @property
   def skipped_steps(self) -> jax.Array:
     """Optimizer steps skipped so far for non-finite gradients."""
-    return train_state.skipped_steps(nnx.as_pure(self.opt_state))
+    return state_lib.skipped_steps(nnx.as_pure(self.opt_state))

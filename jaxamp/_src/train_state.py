@@ -9,95 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp._src import accumulation
-from jaxamp._src import loss_scale
 from jaxamp._src import numerics
-
-
-def _states(opt_state: optax.OptState, cls: type) -> list[Any]:
-  """Every node of type ``cls`` inside ``opt_state``, outermost first."""
-  return [n for n in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, cls))
-          if isinstance(n, cls)]
-
-
-def skipped_steps(opt_state: optax.OptState) -> jax.Array:
-  """The number of optimizer steps skipped so far for non-finite gradients.
-
-  Counts the steps skipped by :func:`dynamic_loss_scale` and
-  :func:`static_loss_scale` (``LossScaleState.skipped_steps``) plus the
-  windows dropped by :func:`accumulate_gradients` when it holds no loss scaler
-  (``AccumulationState.skipped_windows``), wherever they sit in ``opt_state``.
-
-  Args:
-    opt_state: an optax state.
-
-  Returns:
-    An int32 scalar array (0 when ``opt_state`` can skip nothing).
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, jaxamp
-    >>> tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 2)
-    >>> state = tx.init({'w': jnp.zeros(2)})
-    >>> for g in [1.0, jnp.nan, 1.0, 1.0]:
-    ...   _, state = tx.update({'w': jnp.full(2, g)}, state)
-    >>> jaxamp.skipped_steps(state)
-    Array(1, dtype=int32)
-  """
-  total = jnp.zeros([], jnp.int32)
-  for node in _states(opt_state, loss_scale.LossScaleState):
-    total = total + jnp.asarray(node.skipped_steps, jnp.int32)
-  for node in _states(opt_state, accumulation.AccumulationState):
-    total = total + jnp.asarray(node.skipped_windows, jnp.int32)
-  return total
-
-
-def update_applied(before: optax.OptState, after: optax.OptState) -> jax.Array:
-  """Whether the ``tx.update`` that turned ``before`` into ``after`` updated the parameters.
-
-  False for a step skipped because the gradients were not finite (see
-  :func:`skipped_steps`) and for a micro-step of :func:`accumulate_gradients`
-  that did not close its window; True otherwise. This is what a step counter
-  should count (:class:`TrainState` and ``jaxamp.nnx.Optimizer`` do), in a
-  hand-written loop as well::
-
-    updates, new_state = tx.update(grads, opt_state, params)
-    step = jnp.where(jaxamp.update_applied(opt_state, new_state), step + 1, step)
-
-  Args:
-    before: the optimizer state passed to ``tx.update``.
-    after: the optimizer state it returned.
-
-  Returns:
-    A ``bool`` scalar array (no host sync).
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, jaxamp
-    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
-    >>> state = tx.init({'w': jnp.zeros(2)})
-    >>> _, new_state = tx.update({'w': jnp.array([1.0, jnp.nan])}, state)
-    >>> jaxamp.update_applied(state, new_state)
-    Array(False, dtype=bool)
-  """
-  accumulators = _states(after, accumulation.AccumulationState)
-  closed = jnp.asarray(accumulators[0].updated, jnp.bool_) if accumulators else jnp.array(True)
-  not_skipped = skipped_steps(after) == skipped_steps(before)
-  return jnp.logical_and(closed, not_skipped)
-
-
-def loss_scale_or_one(opt_state: optax.OptState) -> jax.Array:
-  """The loss scale inside ``opt_state`` (float32), or 1.0 when it holds none."""
-  scale_states = _states(opt_state, loss_scale.LossScaleState)
-  if not scale_states:
-    return jnp.ones([], jnp.float32)
-  return jnp.asarray(scale_states[0].scale, jnp.float32)
-
-
-def multiply_by_scale(loss: Any, scale: jax.Array) -> jax.Array:
-  """``loss * scale``, with a half-precision loss promoted to float32 first."""
-  loss = jnp.asarray(loss)
-  wide = jnp.issubdtype(loss.dtype, jnp.floating) and jnp.finfo(loss.dtype).bits >= 32
-  loss = loss if wide else loss.astype(jnp.float32)
-  return loss * scale.astype(loss.dtype)
+from jaxamp._src import state as state_lib
 
 
 @jax.tree_util.register_dataclass
@@ -206,7 +119,7 @@ class TrainState:
     """
     updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
     params = optax.apply_updates(self.params, updates)
-    applied = update_applied(self.opt_state, opt_state)
+    applied = state_lib.update_applied(self.opt_state, opt_state)
     step = jnp.where(applied, numerics.safe_increment(self.step), self.step)
     return self.replace(step=step.astype(self.step.dtype), params=params, opt_state=opt_state,
                         **kwargs)
@@ -218,13 +131,13 @@ class TrainState:
   @property
   def loss_scale(self) -> jax.Array:
     """The current loss scale (float32 scalar); 1.0 without loss scaling."""
-    return loss_scale_or_one(self.opt_state)
+    return state_lib.loss_scale_or_one(self.opt_state)
 
   def scale_loss(self, loss: Any) -> jax.Array:
     """Returns ``loss * loss_scale``, promoting a half-precision loss to float32."""
-    return multiply_by_scale(loss, self.loss_scale)
+    return state_lib.multiply_by_scale(loss, self.loss_scale)
 
   @property
   def skipped_steps(self) -> jax.Array:
     """Optimizer steps skipped so far for non-finite gradients (see :func:`skipped_steps`)."""
-    return skipped_steps(self.opt_state)
+    return state_lib.skipped_steps(self.opt_state)

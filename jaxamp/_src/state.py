@@ -1,0 +1,317 @@
+"""Optimizer-state types and the queries that find them anywhere in a nested optax state.
+
+The loss-scaling and accumulation transformations keep their state in the two
+``NamedTuple`` types here; everything else (the Flax integrations, the
+facades, the diagnostics) reads them through the functions of this module,
+which work through ``optax.chain``, ``optax.inject_hyperparams`` and any other
+nesting.
+
+A state type that skips non-finite steps itself declares it with a class
+attribute ``skips_nonfinite_steps = True``; :func:`skips_nonfinite_steps` is how
+an outer transformation (gradient accumulation) learns that an inner one checks
+the gradients, without knowing its type.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxamp._src import validation
+
+#: Default floor of the dynamic scale: the smallest normal float32. Far below any
+#: scale a real run reaches, it only stops the degenerate slide to 0.0.
+DEFAULT_MIN_SCALE = float(np.finfo(np.float32).tiny)
+#: Default ceiling: the largest finite float32. A growth that would overflow is
+#: refused, exactly as PyTorch refuses to grow to inf.
+DEFAULT_MAX_SCALE = float(np.finfo(np.float32).max)
+
+
+class LossScaleState(NamedTuple):
+  """State of :func:`dynamic_loss_scale` and :func:`static_loss_scale`.
+
+  Every field is an array with a fixed dtype, so the state can be logged,
+  checkpointed and carried through ``lax.scan`` without a host sync.
+
+  Attributes:
+    scale: float32 scalar, the factor the loss is multiplied by.
+    growth_tracker: int32, consecutive finite steps since the scale last
+      changed (PyTorch's ``_growth_tracker``, Paddle's ``incr_count``).
+    overflow_count: int32, consecutive non-finite steps not yet acted on
+      (Paddle's ``decr_count``; always 0 with ``hysteresis=1``).
+    skipped: bool, whether the last update was skipped for non-finite grads.
+    skipped_steps: int32, how many updates were skipped in total (saturates).
+    inner_state: the state of the wrapped transformation.
+  """
+
+  scale: jax.Array
+  growth_tracker: jax.Array
+  overflow_count: jax.Array
+  skipped: jax.Array
+  skipped_steps: jax.Array
+  inner_state: optax.OptState
+
+  #: The transformation skips non-finite steps itself (see :func:`skips_nonfinite_steps`).
+  skips_nonfinite_steps = True
+
+
+class AccumulationState(NamedTuple):
+  """State of :func:`accumulate_gradients`.
+
+  Every counter is an int32 scalar that saturates instead of wrapping.
+
+  Attributes:
+    mini_step: micro-steps already accumulated in the open window (0 right
+      after a window closed).
+    gradient_step: windows closed so far, i.e. the optimizer steps emitted
+      (a window dropped for non-finite gradients counts as closed).
+    micro_step: micro-steps seen in total (mmengine's ``inner_count``); a value
+      above ``total_steps`` records a call past the end.
+    updated: bool, whether the last call closed a window (see
+      :func:`has_updated`).
+    skipped_windows: windows dropped by the wrapper because their
+      accumulated gradients held an inf or a nan (0 when the inner
+      transformation is a loss scaler, which then does the skipping and
+      counts it in its own state).
+    acc_grads: the accumulated gradients (a pytree like the parameters, in
+      the accumulator dtype); an empty ``optax.EmptyState()`` when
+      ``every_k == 1``.
+    inner_state: the state of the wrapped transformation.
+  """
+
+  mini_step: jax.Array
+  gradient_step: jax.Array
+  micro_step: jax.Array
+  updated: jax.Array
+  skipped_windows: jax.Array
+  acc_grads: Any
+  inner_state: optax.OptState
+
+
+def find_states(opt_state: optax.OptState, cls: type) -> list[Any]:
+  """Every node of type ``cls`` inside ``opt_state``, outermost first."""
+  return [n for n in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, cls))
+          if isinstance(n, cls)]
+
+
+def _declares_skipping(node: Any) -> bool:
+  return bool(getattr(type(node), "skips_nonfinite_steps", False))
+
+
+def skips_nonfinite_steps(opt_state: optax.OptState) -> bool:
+  """Whether a transformation inside ``opt_state`` checks its gradients and skips non-finite steps.
+
+  True when a node's type declares ``skips_nonfinite_steps = True``, as
+  :class:`LossScaleState` does. A static (trace-time) answer.
+  """
+  return any(_declares_skipping(n) for n in jax.tree.leaves(opt_state, is_leaf=_declares_skipping))
+
+
+def get_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
+  """Finds the (outermost) :class:`LossScaleState` anywhere inside ``opt_state``.
+
+  Raises:
+    ValueError: when ``opt_state`` holds no loss-scale state.
+  """
+  for node in find_states(opt_state, LossScaleState):
+    return node
+  raise ValueError(
+      "No loss-scale state found in the optimizer state (of type "
+      f"{type(opt_state).__name__}). Build the optimizer with jaxamp.dynamic_loss_scale(...) "
+      "or jaxamp.static_loss_scale(...).")
+
+
+def get_loss_scale(opt_state: optax.OptState) -> jax.Array:
+  """Returns the current loss scale (a float32 device scalar) found in ``opt_state``.
+
+  Works through ``optax.chain``, ``optax.inject_hyperparams``,
+  :func:`accumulate_gradients` and any other nesting of optax states.
+
+  Raises:
+    ValueError: when ``opt_state`` holds no loss-scale state.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = optax.chain(optax.identity(), jaxamp.dynamic_loss_scale(optax.adam(1e-3)))
+    >>> jaxamp.get_loss_scale(tx.init({'w': jnp.zeros(3)}))
+    Array(65536., dtype=float32)
+  """
+  return get_loss_scale_state(opt_state).scale
+
+
+def scale_loss(loss: jax.Array, opt_state: optax.OptState) -> jax.Array:
+  """Multiplies ``loss`` by the loss scale held in ``opt_state``.
+
+  Half-precision losses are promoted to float32 first (65536 is not a finite
+  float16), so compute the final reduction of your loss in float32 or let
+  this do it.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> state = jaxamp.static_loss_scale(optax.sgd(0.1), 4.0).init({'w': jnp.zeros(1)})
+    >>> jaxamp.scale_loss(jnp.float32(0.5), state)
+    Array(2., dtype=float32)
+  """
+  return multiply_by_scale(loss, get_loss_scale(opt_state))
+
+
+def multiply_by_scale(loss: Any, scale: Any) -> jax.Array:
+  """``loss * scale``, with an integer or half-precision loss promoted to float32 first."""
+  loss = jnp.asarray(loss)
+  if not (jnp.issubdtype(loss.dtype, jnp.inexact) and loss.dtype.itemsize >= 4):
+    loss = loss.astype(jnp.float32)  # integers and half precision
+  return loss * jnp.asarray(scale).astype(loss.dtype)
+
+
+def set_loss_scale(opt_state: optax.OptState, scale: Any) -> optax.OptState:
+  """Returns ``opt_state`` with every loss scale inside it set to ``scale``.
+
+  The growth tracker and overflow count are left as they are (as PyTorch's
+  ``update(new_scale)``). No recompilation: the scale is a state leaf, and
+  ``scale`` may be a Python number (checked to be positive and finite) or a
+  scalar array (a traced one too, which cannot be checked).
+
+  Raises:
+    TypeError: when ``scale`` is neither a real number nor a real scalar array.
+    ValueError: when ``scale`` is not a scalar, not positive and finite, or
+      ``opt_state`` holds no loss-scale state.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = optax.chain(optax.identity(), jaxamp.dynamic_loss_scale(optax.sgd(0.1)))
+    >>> state = jaxamp.set_loss_scale(tx.init({'w': jnp.zeros(2)}), 1024.0)
+    >>> jaxamp.get_loss_scale(state)
+    Array(1024., dtype=float32)
+  """
+  get_loss_scale_state(opt_state)  # a clear error when there is none
+  if isinstance(scale, jax.core.Tracer):
+    if scale.shape != () or not (jnp.issubdtype(scale.dtype, jnp.floating)
+                                 or jnp.issubdtype(scale.dtype, jnp.integer)):
+      raise TypeError(f"scale must be a real scalar, got a traced {scale.dtype} array of "
+                      f"shape {scale.shape}")
+    value = scale.astype(jnp.float32)
+  else:
+    if isinstance(scale, (np.ndarray, jax.Array)) and np.ndim(scale) != 0:
+      raise ValueError(f"scale must be a scalar, got an array of shape {np.shape(scale)}")
+    value = jnp.asarray(validation.check_scale("scale", scale), jnp.float32)
+
+  def put(node):
+    return node._replace(scale=value) if isinstance(node, LossScaleState) else node
+
+  return jax.tree.map(put, opt_state, is_leaf=lambda n: isinstance(n, LossScaleState))
+
+
+def get_accumulation_state(opt_state: optax.OptState) -> AccumulationState:
+  """Finds the (outermost) :class:`AccumulationState` anywhere inside ``opt_state``.
+
+  Raises:
+    ValueError: when ``opt_state`` holds no accumulation state.
+  """
+  for node in find_states(opt_state, AccumulationState):
+    return node
+  raise ValueError(
+      "No accumulation state found in the optimizer state (of type "
+      f"{type(opt_state).__name__}). Build the optimizer with jaxamp.accumulate_gradients(...).")
+
+
+def has_updated(opt_state: optax.OptState) -> jax.Array:
+  """Whether the last update closed an accumulation window (a bool device scalar).
+
+  Finds the (outermost) :class:`AccumulationState` anywhere inside
+  ``opt_state`` (through ``optax.chain``, ``inject_hyperparams``, ...). True
+  means the updates returned by that call came from the inner transformation
+  (or were zeros because the window was dropped as non-finite); False means
+  the call only accumulated. No host sync: wrap it in ``bool()`` only where a
+  Python value is needed.
+
+  Raises:
+    ValueError: when ``opt_state`` holds no accumulation state.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 2)
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> _, state = tx.update({'w': jnp.ones(2)}, state)
+    >>> jaxamp.has_updated(state)
+    Array(False, dtype=bool)
+    >>> _, state = tx.update({'w': jnp.ones(2)}, state)
+    >>> jaxamp.has_updated(state)
+    Array(True, dtype=bool)
+  """
+  return get_accumulation_state(opt_state).updated
+
+
+def skipped_steps(opt_state: optax.OptState) -> jax.Array:
+  """The number of optimizer steps skipped so far for non-finite gradients.
+
+  Counts the steps skipped by :func:`dynamic_loss_scale` and
+  :func:`static_loss_scale` (``LossScaleState.skipped_steps``) plus the
+  windows dropped by :func:`accumulate_gradients` when it holds no loss scaler
+  (``AccumulationState.skipped_windows``), wherever they sit in ``opt_state``.
+
+  Args:
+    opt_state: an optax state.
+
+  Returns:
+    An int32 scalar array (0 when ``opt_state`` can skip nothing).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 2)
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> for g in [1.0, jnp.nan, 1.0, 1.0]:
+    ...   _, state = tx.update({'w': jnp.full(2, g)}, state)
+    >>> jaxamp.skipped_steps(state)
+    Array(1, dtype=int32)
+  """
+  total = jnp.zeros([], jnp.int32)
+  for node in find_states(opt_state, LossScaleState):
+    total = total + jnp.asarray(node.skipped_steps, jnp.int32)
+  for node in find_states(opt_state, AccumulationState):
+    total = total + jnp.asarray(node.skipped_windows, jnp.int32)
+  return total
+
+
+def update_applied(before: optax.OptState, after: optax.OptState) -> jax.Array:
+  """Whether the ``tx.update`` that turned ``before`` into ``after`` updated the parameters.
+
+  False for a step skipped because the gradients were not finite (see
+  :func:`skipped_steps`) and for a micro-step of :func:`accumulate_gradients`
+  that did not close its window; True otherwise. This is what a step counter
+  should count (:class:`TrainState` and ``jaxamp.nnx.Optimizer`` do), in a
+  hand-written loop as well::
+
+    updates, new_state = tx.update(grads, opt_state, params)
+    step = jnp.where(jaxamp.update_applied(opt_state, new_state), step + 1, step)
+
+  Args:
+    before: the optimizer state passed to ``tx.update``.
+    after: the optimizer state it returned.
+
+  Returns:
+    A ``bool`` scalar array (no host sync).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> _, new_state = tx.update({'w': jnp.array([1.0, jnp.nan])}, state)
+    >>> jaxamp.update_applied(state, new_state)
+    Array(False, dtype=bool)
+  """
+  accumulators = find_states(after, AccumulationState)
+  closed = jnp.asarray(accumulators[0].updated, jnp.bool_) if accumulators else jnp.array(True)
+  not_skipped = skipped_steps(after) == skipped_steps(before)
+  return jnp.logical_and(closed, not_skipped)
+
+
+def loss_scale_or_one(opt_state: optax.OptState) -> jax.Array:
+  """The loss scale inside ``opt_state`` (float32), or 1.0 when it holds none."""
+  scale_states = find_states(opt_state, LossScaleState)
+  if not scale_states:
+    return jnp.ones([], jnp.float32)
+  return jnp.asarray(scale_states[0].scale, jnp.float32)
