@@ -2,7 +2,6 @@
 
 from jaxamp import paddle
 from jaxamp._src.accumulation import accumulate_gradients
-from jaxamp._src.clipping import ClipGradNormState
 from jaxamp._src.clipping import clip_grad_norm
 from jaxamp._src.clipping import clip_grad_value
 from jaxamp._src.clipping import total_grad_norm
@@ -22,6 +21,7 @@ from jaxamp._src.selective_update import set_fused_selection
 from jaxamp._src.state import DEFAULT_MAX_SCALE
 from jaxamp._src.state import DEFAULT_MIN_SCALE
 from jaxamp._src.state import AccumulationState
+from jaxamp._src.state import ClipGradNormState
 from jaxamp._src.state import LossScaleState
 from jaxamp._src.state import get_accumulation_state
 from jaxamp._src.state import get_loss_scale
@@ -29,7 +29,10 @@ from jaxamp._src.state import get_loss_scale_state
 from jaxamp._src.state import has_updated
 from jaxamp._src.state import scale_loss
 from jaxamp._src.state import set_loss_scale
+from jaxamp._src.state import skip_report
 from jaxamp._src.state import skipped_steps
+from jaxamp._src.state import stalled
+from jaxamp._src.state import step_metrics
 from jaxamp._src.state import update_applied
 from jaxamp._src.train_state import TrainState
 
@@ -64,8 +67,11 @@ __all__ = (
     "scale_loss",
     "set_fused_selection",
     "set_loss_scale",
+    "skip_report",
     "skipped_steps",
+    "stalled",
     "static_loss_scale",
+    "step_metrics",
     "total_grad_norm",
     "update_applied",
 )

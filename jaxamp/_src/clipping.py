@@ -18,19 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp._src.state import ClipGradNormState
+
 # PyTorch adds this to the total norm before dividing max_norm by it.
 _EPS = 1e-6
-
-
-class ClipGradNormState(NamedTuple):
-  """State of :func:`clip_grad_norm`.
-
-  Attributes:
-    total_norm: float32 scalar, the total norm of the last gradients seen,
-      measured before clipping (``nan``/``inf`` when they were not finite).
-  """
-
-  total_norm: jax.Array
 
 
 def _check_real(name: str, value: Any) -> float:

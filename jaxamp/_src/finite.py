@@ -38,7 +38,7 @@ elemental code), which the compiled-versus-eager tests exercise.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional, Sequence, Union
+from typing import Any, Hashable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -64,22 +64,36 @@ def float_leaves(tree: Any) -> list:
   return [jnp.asarray(x) for x in jax.tree.leaves(tree) if _is_float(x)]
 
 
-def nonfinite_mask(x: jax.Array) -> jax.Array:
-  """Elementwise: whether ``x`` is inf or nan, read from its bits in its own dtype.
+def inf_nan_masks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Elementwise ``(is inf, is nan)`` of ``x``, read from its bits in its own dtype.
 
   For the IEEE formats (float16, bfloat16, float32, float64) the exponent field
-  is all ones exactly for inf and nan. Other floating formats (float8) fall
-  back to ``~isfinite``; complex leaves check both parts.
+  is all ones exactly for inf (mantissa zero) and nan (mantissa not zero).
+  Other floating formats (float8) use ``isinf``/``isnan``.
+  """
+  x = jnp.asarray(x)
+  info = jnp.finfo(x.dtype)
+  uint = _UINT.get(x.dtype.itemsize)
+  if uint is None or info.bits != 8 * x.dtype.itemsize or x.dtype.name.startswith("float8"):
+    return jnp.isinf(x), jnp.isnan(x)
+  bits = lax.bitcast_convert_type(x, uint)
+  exponent = np.array(((1 << info.nexp) - 1) << info.nmant, uint)
+  mantissa = np.array((1 << info.nmant) - 1, uint)
+  top = (bits & exponent) == exponent
+  empty = (bits & mantissa) == 0
+  return top & empty, top & ~empty
+
+
+def nonfinite_mask(x: jax.Array) -> jax.Array:
+  """Elementwise: whether ``x`` is inf or nan, read from its bits (see :func:`inf_nan_masks`).
+
+  Complex leaves check both parts.
   """
   x = jnp.asarray(x)
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     return nonfinite_mask(x.real) | nonfinite_mask(x.imag)
-  info = jnp.finfo(x.dtype)
-  uint = _UINT.get(x.dtype.itemsize)
-  if uint is None or info.bits != 8 * x.dtype.itemsize or x.dtype.name.startswith("float8"):
-    return jnp.logical_not(jnp.isfinite(x))
-  exponent = np.array(((1 << info.nexp) - 1) << info.nmant, uint)
-  return (lax.bitcast_convert_type(x, uint) & exponent) == exponent
+  inf, nan = inf_nan_masks(x)
+  return inf | nan
 
 
 def _exactly_finite(leaves: list) -> jax.Array:
@@ -168,7 +182,7 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
 
 
 def as_stored(x: jax.Array) -> jax.Array:
-  """``x``, except that an element that is inf or nan in ``x``'s dtype is nan.
+  """``x``, with every element that is inf or nan in ``x``'s dtype made exactly that.
 
   An accumulator that adds ``x`` to a running sum may otherwise receive it
   unrounded: XLA can contract ``x``'s last multiply and the addition into one
@@ -179,7 +193,11 @@ def as_stored(x: jax.Array) -> jax.Array:
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     return x
-  return jnp.where(nonfinite_mask(x), jnp.full_like(x, jnp.nan), x)
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    return lax.complex(as_stored(x.real), as_stored(x.imag))
+  inf, nan = inf_nan_masks(x)
+  # The sign of an element that rounds to inf is that of its unrounded value.
+  return jnp.where(nan, jnp.full_like(x, jnp.nan), jnp.where(inf, jnp.copysign(jnp.inf, x), x))
 
 
 def stored_once(tree: Any) -> Any:
@@ -235,14 +253,49 @@ def unscale_leaf(g: Any, first: jax.Array, second: jax.Array) -> Any:
   return (g.astype(compute) * first.astype(compute) * second.astype(compute)).astype(g.dtype)
 
 
-def _unscaled_exactly_finite(quick: jax.Array, grads: Any, scale: jax.Array) -> jax.Array:
+class Check(NamedTuple):
+  """The outcome of :func:`unscaled_check`.
+
+  Attributes:
+    finite: bool scalar, whether every unscaled gradient element is finite.
+    inf_counts: int32 vector, for each floating leaf (in tree order) how many
+      of its unscaled elements are inf (0 everywhere when ``finite``).
+    nan_counts: the same for nan.
+  """
+
+  finite: jax.Array
+  inf_counts: jax.Array
+  nan_counts: jax.Array
+
+
+def _counts(leaves: list) -> tuple[jax.Array, jax.Array]:
+  """Per leaf, how many elements are inf and how many nan, from their bits."""
+  if not leaves:
+    return jnp.zeros([0], jnp.int32), jnp.zeros([0], jnp.int32)
+  infs, nans = [], []
+  for x in leaves:
+    parts = [x.real, x.imag] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
+    masks = [inf_nan_masks(part) for part in parts]
+    infs.append(sum(jnp.sum(inf, dtype=jnp.int32) for inf, _ in masks))
+    nans.append(sum(jnp.sum(nan, dtype=jnp.int32) for _, nan in masks))
+  return jnp.stack(infs), jnp.stack(nans)
+
+
+def _no_counts(quick: jax.Array, leaves: list) -> tuple[jax.Array, jax.Array]:
+  # Zeros where this branch is taken (quick is True), typed like the exact
+  # branch's counts inside shard_map (they vary as ``quick`` does).
+  zero = jnp.logical_not(quick).astype(jnp.int32)
+  return jnp.broadcast_to(zero, (len(leaves),)), jnp.broadcast_to(zero, (len(leaves),))
+
+
+def _exact_counts(quick: jax.Array, leaves: list) -> tuple[jax.Array, jax.Array]:
   del quick
-  return _exactly_finite(float_leaves(unscale(grads, scale)))
+  return _counts(leaves)
 
 
-def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None,
-                        witnesses: Optional[Sequence[Optional[jax.Array]]] = None) -> jax.Array:
-  """Returns ``all_finite(unscale(grads, scale), axis_name)``, reading the gradients once.
+def unscaled_check(grads: Any, scale: jax.Array, axis_name: AxisName = None,
+                   witnesses: Optional[Sequence[Optional[jax.Array]]] = None) -> Check:
+  """Whether ``unscale(grads, scale)`` is finite, and where it is not; reads the gradients once.
 
   The quick check reads the raw (scaled) gradients, which a jitted step
   already holds: checking the unscaled ones would make XLA compute them for
@@ -252,14 +305,16 @@ def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None
   rounded, so a finite element stays finite, and inf or nan stays non-finite.
   Otherwise (a scale below 1 or nan, an overflowing sum, a genuine inf or
   nan) the unscaled gradients are checked exactly, on their bits, inside a
-  ``lax.cond`` that a good step skips. The answer comes out of that
-  conditional, so XLA computes it once rather than in every elementwise
-  kernel that selects with it.
+  ``lax.cond`` that a good step skips; that branch also counts the inf and
+  nan elements of each leaf, so the counts cost nothing on a good step. The
+  answer comes out of that conditional, so XLA computes it once rather than
+  in every elementwise kernel that selects with it.
 
   Args:
     grads: a pytree of (scaled) gradients.
     scale: the loss scale they are divided by, as :func:`unscale` does.
-    axis_name: as in :func:`all_finite`.
+    axis_name: as in :func:`all_finite`; the counts are summed over it too,
+      so every device holds the same.
     witnesses: one entry per floating leaf of ``grads``: a scalar that is
       non-finite whenever the (scaled or unscaled) leaf has a non-finite
       element (a sum of squares the inner update computes anyway, see
@@ -267,7 +322,7 @@ def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None
       check instead of the leaf's own sum; or ``None``.
 
   Returns:
-    A ``bool`` scalar array.
+    A :class:`Check`.
 
   Raises:
     ValueError: as :func:`all_finite`.
@@ -281,5 +336,19 @@ def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None
   # A NaN scale fails ``scale >= 1`` and takes the exact path.
   checks.append(scale >= 1.0)
   quick = jnp.stack(checks).all()
-  ok = lax.cond(quick, _quick_answer, _unscaled_exactly_finite, quick, grads, scale)
-  return _reduce_over(ok, axes)
+
+  def exact(quick, grads, scale):
+    return _exact_counts(quick, float_leaves(unscale(grads, scale)))
+
+  inf, nan = lax.cond(quick, lambda quick, grads, scale: _no_counts(quick, leaves), exact,
+                      quick, grads, scale)
+  if axes:
+    # One integer all-reduce: the same counts, and so the same decision, everywhere.
+    inf, nan = lax.psum(jnp.stack([inf, nan]), axes)
+  return Check(jnp.logical_not(jnp.any(inf > 0) | jnp.any(nan > 0)), inf, nan)
+
+
+def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None,
+                        witnesses: Optional[Sequence[Optional[jax.Array]]] = None) -> jax.Array:
+  """Returns ``all_finite(unscale(grads, scale), axis_name)``: :func:`unscaled_check`'s answer."""
+  return unscaled_check(grads, scale, axis_name, witnesses).finite

@@ -136,8 +136,13 @@ def check_grad_dtypes(tree: Any, what: str) -> None:
                     "unscaled nor checked for overflow.", stacklevel=3)
 
 
-def _scaling(inner: Any, init_scale: float, rule: ScaleRule,
-             axis_name: finite.AxisName) -> optax.GradientTransformationExtraArgs:
+#: Default ``stall_after``: consecutive skipped steps after which a run counts as stalled. With the
+#: default back-off (0.5 per skip) that is a scale 2^50 times smaller, far past any calibration.
+DEFAULT_STALL_AFTER = 50
+
+
+def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.AxisName,
+             stall_after: int) -> optax.GradientTransformationExtraArgs:
   inner = validation.check_transformation("inner", inner)
 
   def init_fn(params):
@@ -145,12 +150,17 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule,
     inner_state = inner.init(params)
     warn_if_accumulation_inside(
         inner_state, "dynamic_loss_scale" if rule.dynamic else "static_loss_scale")
+    num_leaves = len(finite.float_leaves(params))
     return LossScaleState(
         scale=jnp.asarray(init_scale, jnp.float32),
         growth_tracker=jnp.zeros([], jnp.int32),
         overflow_count=jnp.zeros([], jnp.int32),
         skipped=jnp.zeros([], jnp.bool_),
         skipped_steps=jnp.zeros([], jnp.int32),
+        skip_streak=jnp.zeros([], jnp.int32),
+        stalled=jnp.zeros([], jnp.bool_),
+        inf_counts=jnp.zeros([num_leaves], jnp.int32),
+        nan_counts=jnp.zeros([num_leaves], jnp.int32),
         inner_state=inner_state,
     )
 
@@ -160,24 +170,32 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule,
     # XLA honours barriers through fusion (see jaxamp._src.finite).
     grads = finite.stored_once(grads)
     unscaled = finite.unscale(grads, state.scale)
+    if len(finite.float_leaves(grads)) != state.inf_counts.shape[0]:
+      raise ValueError(f"the gradients have {len(finite.float_leaves(grads))} floating leaves, the "
+                       f"params the state was initialised with {state.inf_counts.shape[0]}")
     checked = {}
 
     def decide(witnesses):
       # The quick check reuses any sum of squares of the gradients that the
       # inner update makes anyway (a global-norm clip's), and reads the rest.
-      checked["finite"] = finite.unscaled_all_finite(grads, state.scale, axis_name, witnesses)
-      return checked["finite"]
+      checked["check"] = finite.unscaled_check(grads, state.scale, axis_name, witnesses)
+      return checked["check"].finite
 
     updates, inner_state = selective_update.select_update(
         decide, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
         state.inner_state, watch=finite.float_leaves(unscaled),
         unscaled_from=(finite.float_leaves(grads), state.scale))
-    found_inf = jnp.logical_not(checked["finite"])
+    check = checked["check"]
+    found_inf = jnp.logical_not(check.finite)
     scale, tracker, overflow = rule.adjust(state.scale, state.growth_tracker,
                                            state.overflow_count, found_inf)
     skipped_steps = jnp.where(found_inf, numerics.safe_increment(state.skipped_steps),
                               state.skipped_steps)
-    return updates, LossScaleState(scale, tracker, overflow, found_inf, skipped_steps, inner_state)
+    streak = jnp.where(found_inf, numerics.safe_increment(state.skip_streak), 0).astype(jnp.int32)
+    at_floor = rule.dynamic and state.scale <= jnp.float32(rule.min_scale)
+    stalled = found_inf & ((streak >= stall_after) | at_floor)
+    return updates, LossScaleState(scale, tracker, overflow, found_inf, skipped_steps, streak,
+                                   stalled, check.inf_counts, check.nan_counts, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -193,6 +211,7 @@ def dynamic_loss_scale(
     min_scale: Optional[float] = None,
     max_scale: Optional[float] = None,
     axis_name: finite.AxisName = None,
+    stall_after: int = DEFAULT_STALL_AFTER,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling.
 
@@ -261,6 +280,10 @@ def dynamic_loss_scale(
       check is reduced inside ``shard_map``/``pmap``, so that every device
       takes the same decision. Needed whenever the gradients inside the
       mapped function are sharded or differ per device.
+    stall_after: consecutive skipped steps after which the state reports the
+      run as stalled (``LossScaleState.stalled``, :func:`jaxamp.stalled`);
+      a skip at ``min_scale``, where the scale cannot back off any more,
+      counts as a stall at once.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -287,11 +310,14 @@ def dynamic_loss_scale(
                    growth_interval=growth_interval, hysteresis=hysteresis,
                    min_scale=min_scale, max_scale=max_scale)
   validation.check_scale("init_scale", init_scale_, rule.min_scale, rule.max_scale)
-  return _scaling(inner, init_scale_, rule, axis_name)
+  return _scaling(inner, init_scale_, rule, axis_name,
+                  validation.check_int("stall_after", stall_after))
 
 
 def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
-                      axis_name: finite.AxisName = None) -> optax.GradientTransformationExtraArgs:
+                      axis_name: finite.AxisName = None,
+                      stall_after: int = DEFAULT_STALL_AFTER
+                      ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with a fixed loss scale; non-finite steps are still skipped.
 
   This is mmengine's ``AmpOptimWrapper(loss_scale=<float>)``. The scale is a
@@ -302,6 +328,8 @@ def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
     inner: the optax transformation fed with the unscaled gradients.
     scale: the loss scale, positive and finite.
     axis_name: as in :func:`dynamic_loss_scale`.
+    stall_after: consecutive skipped steps after which the state reports the
+      run as stalled, as in :func:`dynamic_loss_scale`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -315,7 +343,8 @@ def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
     Array([-1.,  2.], dtype=float32)
   """
   scale_ = validation.check_scale("scale", scale)
-  return _scaling(inner, scale_, ScaleRule(dynamic=False), axis_name)
+  return _scaling(inner, scale_, ScaleRule(dynamic=False), axis_name,
+                  validation.check_int("stall_after", stall_after))
 
 
 

@@ -45,6 +45,16 @@ class LossScaleState(NamedTuple):
       (Paddle's ``decr_count``; always 0 with ``hysteresis=1``).
     skipped: bool, whether the last update was skipped for non-finite grads.
     skipped_steps: int32, how many updates were skipped in total (saturates).
+    skip_streak: int32, consecutive skipped updates up to the last one (0
+      after an applied update).
+    stalled: bool, whether the run is stuck on skipped steps: the last
+      update was skipped and either ``skip_streak`` reached the
+      transformation's ``stall_after``, or the scale could not back off any
+      more (it was at ``min_scale``).
+    inf_counts: int32 vector with one entry per floating gradient leaf (in
+      tree order): how many elements of the last step's unscaled gradients
+      were inf (all 0 after a finite step). See :func:`skip_report`.
+    nan_counts: the same for nan.
     inner_state: the state of the wrapped transformation.
   """
 
@@ -53,10 +63,25 @@ class LossScaleState(NamedTuple):
   overflow_count: jax.Array
   skipped: jax.Array
   skipped_steps: jax.Array
+  skip_streak: jax.Array
+  stalled: jax.Array
+  inf_counts: jax.Array
+  nan_counts: jax.Array
   inner_state: optax.OptState
 
   #: The transformation skips non-finite steps itself (see :func:`skips_nonfinite_steps`).
   skips_nonfinite_steps = True
+
+
+class ClipGradNormState(NamedTuple):
+  """State of :func:`clip_grad_norm`.
+
+  Attributes:
+    total_norm: float32 scalar, the total norm of the last gradients seen,
+      measured before clipping (``nan``/``inf`` when they were not finite).
+  """
+
+  total_norm: jax.Array
 
 
 class AccumulationState(NamedTuple):
@@ -315,3 +340,95 @@ def loss_scale_or_one(opt_state: optax.OptState) -> jax.Array:
   if not scale_states:
     return jnp.ones([], jnp.float32)
   return jnp.asarray(scale_states[0].scale, jnp.float32)
+
+
+def stalled(opt_state: optax.OptState) -> jax.Array:
+  """Whether the run is stuck on skipped steps (a bool device scalar; see :class:`LossScaleState`).
+
+  Raises:
+    ValueError: when ``opt_state`` holds no loss-scale state.
+  """
+  return get_loss_scale_state(opt_state).stalled
+
+
+def _float_paths(params: Any) -> list[str]:
+  return [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+          if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+
+
+def skip_report(opt_state: optax.OptState, params: Any, *, counts: bool = False) -> list[Any]:
+  """The gradient leaves that held an inf or a nan in the last step, by path.
+
+  Paths are written as ``jax.tree_util.keystr`` writes them (``"['dec']['w']"``)
+  for the floating leaves of ``params``, in tree order; ``[]`` when the last
+  step was finite. The counts behind it are computed inside the step, by the
+  exact check that runs only on a step that is not finite, so a good step pays
+  nothing for them. Through :func:`accumulate_gradients` the loss scaler
+  checks a window's accumulated gradients, so the report names the leaves of
+  every non-finite micro-step of the window. Reading the report is a host
+  sync: call it where the loop already reads values, not on every step.
+
+  Args:
+    opt_state: an optax state holding a loss-scale state (found as
+      :func:`get_loss_scale_state` finds it).
+    params: the parameters (or anything with their tree structure), for the
+      paths.
+    counts: also return how many elements were inf and how many nan.
+
+  Returns:
+    A list of paths, or with ``counts`` of ``(path, infs, nans)`` tuples.
+
+  Raises:
+    ValueError: when ``opt_state`` holds no loss-scale state, or ``params``
+      has not as many floating leaves as the gradients it was built for.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> params = {'dec': {'w': jnp.ones(2)}, 'enc': jnp.ones(3)}
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+    >>> state = tx.init(params)
+    >>> grads = {'dec': {'w': jnp.array([1.0, jnp.nan])}, 'enc': jnp.array([jnp.inf, 2, 3])}
+    >>> _, state = tx.update(grads, state, params)
+    >>> jaxamp.skip_report(state, params)
+    ["['dec']['w']", "['enc']"]
+    >>> jaxamp.skip_report(state, params, counts=True)
+    [("['dec']['w']", 0, 1), ("['enc']", 1, 0)]
+  """
+  node = get_loss_scale_state(opt_state)
+  paths = _float_paths(params)
+  infs, nans = jax.device_get((node.inf_counts, node.nan_counts))
+  if len(paths) != len(infs):
+    raise ValueError(f"params has {len(paths)} floating leaves, but the loss-scale state counts "
+                     f"{len(infs)}: pass the params the optimizer was initialised with")
+  found = [(p, int(i), int(n)) for p, i, n in zip(paths, infs, nans) if i or n]
+  return found if counts else [p for p, _, _ in found]
+
+
+def step_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
+  """What a training loop logs about loss scaling, as device scalars (no host sync).
+
+  ``loss_scale``, ``skipped`` (the last update), ``skipped_steps`` (as
+  :func:`skipped_steps` counts them), ``skip_streak``, ``stalled`` and, when a
+  :func:`clip_grad_norm` inside recorded one, ``grad_norm`` (before clipping).
+  Hand the dict to a logger after one ``jax.device_get`` (the values are then
+  numpy scalars), for example ``wandb.log(jax.device_get(m), step=step)`` or
+  ``for k, v in jax.device_get(m).items(): writer.add_scalar(k, v, step)``.
+
+  Raises:
+    ValueError: when ``opt_state`` holds no loss-scale state.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+    >>> state = tx.init({'w': jnp.ones(2)})
+    >>> sorted(jaxamp.step_metrics(state))
+    ['loss_scale', 'skip_streak', 'skipped', 'skipped_steps', 'stalled']
+  """
+  node = get_loss_scale_state(opt_state)
+  metrics = {"loss_scale": node.scale, "skipped": node.skipped,
+             "skipped_steps": skipped_steps(opt_state), "skip_streak": node.skip_streak,
+             "stalled": node.stalled}
+  clips = find_states(opt_state, ClipGradNormState)
+  if clips:
+    metrics["grad_norm"] = clips[0].total_norm
+  return metrics

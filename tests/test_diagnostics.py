@@ -1,0 +1,144 @@
+"""Overflow diagnostics: which leaves overflowed, stalled runs, and step metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Block:
+  kernel: jax.Array
+  bias: jax.Array
+
+
+def _poisoned(params, where, value):
+  """Gradients of ones, with ``value`` at element 0 of the leaves whose path contains ``where``."""
+  def leaf(path, p):
+    g = jnp.ones_like(p)
+    return g.ravel().at[0].set(value).reshape(p.shape) if where in jax.tree_util.keystr(path) else g
+  return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+@pytest.mark.parametrize("params,where,path", [
+    ({"dec": {"w": jnp.ones((2, 3))}, "enc": jnp.ones(4)}, "dec", "['dec']['w']"),
+    ([jnp.ones(3), jnp.ones((2, 2)), jnp.ones(1)], "[1]", "[1]"),
+    ({"block": Block(jnp.ones((3, 3)), jnp.zeros(3))}, "bias", "['block'].bias"),
+])
+def test_skip_report_names_the_leaves_under_jit(params, where, path):
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1e-3, momentum=0.9))
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  _, state = step(_poisoned(params, where, jnp.nan), state, params)
+  assert jaxamp.skip_report(state, params) == [path]
+  assert jaxamp.skip_report(state, params, counts=True) == [(path, 0, 1)]
+  _, state = step(jax.tree.map(jnp.ones_like, params), state, params)
+  assert jaxamp.skip_report(state, params) == []
+
+
+def test_skip_report_counts_infs_and_nans_and_ignores_integer_leaves():
+  params = {"a": jnp.ones(4), "n": jnp.zeros(2, jnp.int32), "z": jnp.ones((2, 2))}
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+  with pytest.warns(UserWarning, match="non-floating"):
+    state = tx.init(params)
+  grads = {"a": jnp.array([jnp.inf, -jnp.inf, jnp.nan, 1.0]), "n": jnp.zeros(2, jnp.int32),
+           "z": jnp.ones((2, 2))}
+  with pytest.warns(UserWarning, match="non-floating"), jax.numpy_dtype_promotion("standard"):
+    _, state = jax.jit(tx.update)(grads, state, params)
+  assert jaxamp.skip_report(state, params, counts=True) == [("['a']", 2, 1)]
+
+
+def test_an_overflowing_sum_of_finite_values_reports_nothing():
+  params = {"w": jnp.ones(8)}
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1e-40), init_scale=1.0)
+  state = tx.init(params)
+  _, state = jax.jit(tx.update)({"w": jnp.full(8, 3e38)}, state, params)
+  assert not bool(state.skipped) and jaxamp.skip_report(state, params) == []
+
+
+def test_skip_report_through_accumulation_names_every_bad_micro_step():
+  params = {"a": jnp.ones(3), "b": jnp.ones(3), "c": jnp.ones(3)}
+  tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 3)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for bad in ["a", "c", None]:  # two bad micro-steps, then the window closes on a good one
+    grads = _poisoned(params, bad, jnp.inf) if bad else jax.tree.map(jnp.ones_like, params)
+    _, state = step(grads, state, params)
+  assert bool(jaxamp.get_loss_scale_state(state).skipped)
+  assert jaxamp.skip_report(state, params, counts=True) == [("['a']", 1, 0), ("['c']", 1, 0)]
+
+
+def test_skip_report_needs_the_params_of_the_gradients():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init({"w": jnp.ones(2)})
+  with pytest.raises(ValueError, match="params has 2 floating leaves"):
+    jaxamp.skip_report(state, {"w": jnp.ones(2), "v": jnp.ones(1)})
+  with pytest.raises(ValueError, match="No loss-scale state"):
+    jaxamp.skip_report(optax.sgd(0.1).init({"w": jnp.ones(2)}), {"w": jnp.ones(2)})
+
+
+def _nan_run(tx, steps):
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  stalled_at = None
+  for i in range(steps):
+    _, state = step({"w": jnp.array([jnp.nan, 1.0])}, state, params)
+    if stalled_at is None and bool(jaxamp.stalled(state)):
+      stalled_at = i + 1
+  return state, stalled_at, step
+
+
+def test_a_run_that_skips_every_step_stalls_after_stall_after_steps():
+  state, stalled_at, step = _nan_run(jaxamp.dynamic_loss_scale(optax.sgd(0.1), stall_after=7), 12)
+  assert stalled_at == 7 and int(state.skip_streak) == 12
+  assert step._cache_size() == 1  # no recompilation
+  # A good step ends the stall.
+  _, state = step({"w": jnp.ones(2)}, state, {"w": jnp.ones(2)})
+  assert not bool(state.stalled) and int(state.skip_streak) == 0
+
+
+def test_a_skip_at_min_scale_is_a_stall_at_once():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0, min_scale=1.0)
+  _, stalled_at, _ = _nan_run(tx, 5)
+  assert stalled_at == 3  # 4 -> 2 -> 1, then a skip that cannot back off
+
+
+def test_a_static_scale_stalls_on_the_streak_only():
+  _, stalled_at, _ = _nan_run(jaxamp.static_loss_scale(optax.sgd(0.1), 1.0, stall_after=4), 6)
+  assert stalled_at == 4
+
+
+def test_stall_after_is_validated():
+  with pytest.raises(ValueError, match="stall_after must be an int >= 1"):
+    jaxamp.dynamic_loss_scale(optax.sgd(0.1), stall_after=0)
+
+
+def test_step_metrics_are_device_scalars_and_include_a_recorded_grad_norm():
+  tx = jaxamp.dynamic_loss_scale(optax.chain(jaxamp.clip_grad_norm(1.0), optax.sgd(0.1)),
+                                 init_scale=4.0)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+
+  @jax.jit
+  def step(state, grads):
+    _, state = tx.update(grads, state, params)
+    return state, jaxamp.step_metrics(state)  # inside jit: no host sync needed
+
+  state, metrics = step(state, {"w": jnp.array([12.0, 16.0])})
+  logged = jax.device_get(metrics)
+  assert set(logged) == {"loss_scale", "skipped", "skipped_steps", "skip_streak", "stalled",
+                         "grad_norm"}
+  assert float(logged["grad_norm"]) == pytest.approx(5.0)
+  assert float(logged["loss_scale"]) == 4.0 and not bool(logged["skipped"])
+  state, metrics = step(state, {"w": jnp.array([jnp.inf, 1.0])})
+  assert int(metrics["skipped_steps"]) == 1 and int(metrics["skip_streak"]) == 1
+  assert float(metrics["loss_scale"]) == 2.0
