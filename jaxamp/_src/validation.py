@@ -1,0 +1,150 @@
+"""Checks of Python arguments: real numbers, counts, flags, optax transformations.
+
+Factories check their hyperparameters when they are called, before anything
+is traced, and say what was expected and what came
+(``"growth_factor must be a real number, got '2' of type str"``). The checks
+live here once, for the functional core and for the facades alike. Each
+returns the value as the Python type it stands for (``float``, ``int``,
+``bool``), so callers close over plain numbers, never over arrays.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import optax
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def concrete_scalar(value: Any, kind: str = "hyperparameters") -> Any:
+  """Unwraps a concrete 0-d numpy or JAX array into a Python scalar; refuses traced values.
+
+  Args:
+    value: anything; only 0-d arrays are unwrapped.
+    kind: what the values are, for the message about traced values.
+
+  Raises:
+    TypeError: for a traced value (a hyperparameter that selects code must
+      be known at construction).
+
+  Examples:
+    >>> concrete_scalar(np.float32(0.5)), concrete_scalar(2)
+    (0.5, 2)
+  """
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+        f"got the traced value {value!r}; {kind} select code at construction and must be "
+        "Python numbers (with optax.inject_hyperparams, list them in static_args)")
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
+    return np.asarray(value).item()
+  return value
+
+
+def one_element(value: Any) -> Any:
+  """A one-element numpy or JAX array as a Python scalar; anything else unchanged (host value).
+
+  Examples:
+    >>> one_element(np.array([4.0])), one_element("x")
+    (4.0, 'x')
+  """
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.size(value) == 1:
+    return np.asarray(value).reshape(()).item()
+  return value
+
+
+def check_real(name: str, value: Any, *, finite: bool = False, arrays: bool = False,
+               kind: str = "hyperparameters") -> float:
+  """``value`` as a Python float, refusing ``bool`` and non-real values.
+
+  Args:
+    name: the argument's name, for the message.
+    value: a real number (``int``, ``float``, numpy floating scalar).
+    finite: also refuse inf and nan (``ValueError``).
+    arrays: also accept a concrete 0-d array (unwrapped with
+      :func:`concrete_scalar`; a traced value is refused).
+    kind: what the values are, for the message about traced values.
+
+  Raises:
+    TypeError: ``"<name> must be a real number, got <value> of type <type>"``.
+    ValueError: ``"<name> must be finite, got <value>"`` with ``finite=True``.
+
+  Examples:
+    >>> check_real("lr", 1), check_real("lr", np.float32(0.5))
+    (1.0, 0.5)
+  """
+  if arrays:
+    try:
+      value = concrete_scalar(value, kind)
+    except TypeError as err:
+      raise TypeError(f"{name} must be a real number: {err}") from None
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
+  out = float(value)
+  if finite and not np.isfinite(out):
+    raise ValueError(f"{name} must be finite, got {value!r}")
+  return out
+
+
+def check_int(name: str, value: Any, *, minimum: Optional[int] = None,
+              maximum: Optional[int] = None) -> int:
+  """``value`` as a Python int within ``[minimum, maximum]``, refusing ``bool`` and floats.
+
+  Raises:
+    TypeError: ``"<name> must be an int, got <value> of type <type>"``.
+    ValueError: ``"<name> must be an int >= <minimum>, got <value>"``, or
+      ``"<name> must be an int <= <maximum>, got <value>"``.
+
+  Examples:
+    >>> check_int("every_k", np.int32(4), minimum=1)
+    4
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+  if maximum is not None and value > maximum:
+    raise ValueError(f"{name} must be an int <= {maximum}, got {value!r}")
+  return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+  """``value`` as a Python bool; ``bool`` and ``numpy.bool_`` only (not ``0``/``1``).
+
+  Raises:
+    TypeError: ``"<name> must be a bool, got <value>"``.
+
+  Examples:
+    >>> check_bool("nesterov", np.bool_(True))
+    True
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+  return bool(value)
+
+
+def is_gradient_transformation(value: Any) -> bool:
+  """Whether ``value`` has callable ``init`` and ``update``, as an optax transformation has.
+
+  Examples:
+    >>> is_gradient_transformation(optax.sgd(0.1)), is_gradient_transformation(optax.sgd)
+    (True, False)
+  """
+  return callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))
+
+
+def check_gradient_transformation(value: Any, name: str = "inner"
+                                  ) -> optax.GradientTransformationExtraArgs:
+  """``value`` with extra-args support, when it is an optax transformation.
+
+  Raises:
+    TypeError: ``"<name> must be an optax GradientTransformation (with init
+      and update), got <value>"``.
+  """
+  if not is_gradient_transformation(value):
+    raise TypeError(
+        f"{name} must be an optax GradientTransformation (with init and update), got {value!r}")
+  return optax.with_extra_args_support(value)
