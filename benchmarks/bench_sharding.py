@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import os
 import re
 import sys

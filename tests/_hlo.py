@@ -9,7 +9,8 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "col
 def hlo_collectives(hlo_text: str) -> list:
   r"""Lists the collectives in the text of a compiled (or lowered) XLA HLO module.
 
-  Tells which communication a step contains, e.g. ``hlo_collectives(jax.jit(step).lower(*args).compile().as_text())``.
+  Tells which communication a step contains, e.g.
+  ``hlo_collectives(jax.jit(step).lower(*args).compile().as_text())``.
 
   Returns:
     A list of ``(op, result_shape, computation)`` tuples in program order:

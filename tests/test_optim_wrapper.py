@@ -577,11 +577,10 @@ def test_scale_loss_of_a_function_and_zero_grad_to_zeros():
 def test_external_skip_by_cond_is_bit_identical_to_the_select(clip):
   params = {"w": jnp.asarray([1.0, -0.0, 0.5], jnp.float32)}
   wrapper = jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9), params, clip_grad=clip)
-  select = jax.jit(wrapper._update)  # pylint: disable=protected-access
+  select = jax.jit(wrapper._update)
   grads_seq = ([0.5, 2.0, -1.0], [jnp.inf, 1.0, 1.0], [0.25, -3.0, 1.0], [jnp.nan, 0.0, 1.0])
   for values, skip in zip(grads_seq, (False, True, False, True)):
     grads = {"w": jnp.asarray(values, jnp.float32)}
-    # pylint: disable=protected-access
     expected = select(wrapper.params, wrapper._state, grads, jnp.asarray(skip))
     wrapper.apply_gradients(grads, skip=jnp.asarray(skip))
     got = (wrapper.params, wrapper._state, wrapper.last_grad_norm)

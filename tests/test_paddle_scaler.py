@@ -377,7 +377,7 @@ def test_donating_holder_is_bit_identical():
       opt.backward(scaler.scale(loss), x, jnp.int32(code))
       scaler.minimize(opt)
       opt.zero_grad()
-      state = scaler._state  # pylint: disable=protected-access
+      state = scaler._state
       out.append((_bits(opt.params), _bits(opt.opt_state), _bits(state)))
     runs.append(out)
   assert runs[0] == runs[1]

@@ -104,11 +104,12 @@ def check_int(name: str, value: Any, *, minimum: Optional[int] = None,
   """
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
     raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-  if minimum is not None and value < minimum:
+  out = int(value)
+  if minimum is not None and out < minimum:
     raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-  if maximum is not None and value > maximum:
+  if maximum is not None and out > maximum:
     raise ValueError(f"{name} must be an int <= {maximum}, got {value!r}")
-  return int(value)
+  return out
 
 
 def check_bool(name: str, value: Any) -> bool:

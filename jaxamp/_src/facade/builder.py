@@ -247,7 +247,8 @@ def _build_optimizer(params: Any, optimizer_cfg: Mapping[str, Any], paramwise_cf
   else:
     overrides, labels = [{}], [0] * len(jax.tree.leaves(params))
   names = trees.param_names(params)
-  transforms, specs = [], []
+  transforms: List[optax.GradientTransformation] = []
+  specs: List[Any] = []  # GroupSpec (torch_like), else (names, extras, config)
   for index, override in enumerate(overrides):
     hp = {k: v for k, v in override.items() if k not in ("lr_mult", "decay_mult")}
     extras = {k: v for k, v in override.items() if k in ("lr_mult", "decay_mult")}

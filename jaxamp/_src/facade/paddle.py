@@ -8,7 +8,7 @@ its state, stage bookkeeping and jitted steps (see
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import jax
 import jax.numpy as jnp
@@ -145,9 +145,9 @@ class GradScaler:
     self._last_found_inf = jnp.zeros([], jnp.bool_)
 
   def _make_rule(self, **changes: Any) -> loss_scale.ScaleRule:
-    values = dict(growth_factor=self._incr_ratio, backoff_factor=self._decr_ratio,
-                  growth_interval=self._incr_every_n_steps,
-                  hysteresis=self._decr_every_n_nan_or_inf)
+    values: dict[str, Any] = dict(
+        growth_factor=self._incr_ratio, backoff_factor=self._decr_ratio,
+        growth_interval=self._incr_every_n_steps, hysteresis=self._decr_every_n_nan_or_inf)
     values.update(changes)
     return loss_scale.make_rule(**values)
 
@@ -223,7 +223,7 @@ class GradScaler:
       self.unscale_(optimizer)
     if optimizer.grads is not None:  # without gradients Paddle's step changes nothing
       optimizer.apply_gradients(skip=record.found_inf)
-    self._pending.append(record.found_inf)
+    self._pending.append(cast(jax.Array, record.found_inf))  # set by unscale_ above
 
   def step(self, optimizer: Any) -> None:
     """Unscales (unless :meth:`unscale_` did) and applies the gradients unless one is inf/nan.

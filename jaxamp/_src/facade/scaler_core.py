@@ -153,13 +153,13 @@ class StageBook:
 # -------------------------------------------------------------------------------------------------
 
 
-@jax.jit
-def _unscale_and_check(grads: Any, scale: jax.Array) -> tuple[Any, jax.Array]:
+def _unscale_and_check_impl(grads: Any, scale: jax.Array) -> tuple[Any, jax.Array]:
   unscaled = numerics.unscale(grads, scale)
   return unscaled, jnp.logical_not(numerics.all_finite(unscaled))
 
 
-_unscale_and_check_donated = jax.jit(_unscale_and_check.__wrapped__, donate_argnums=(0,))
+_unscale_and_check = jax.jit(_unscale_and_check_impl)
+_unscale_and_check_donated = jax.jit(_unscale_and_check_impl, donate_argnums=(0,))
 
 
 def unscale_and_check(grads: Any, scale: jax.Array, *,

@@ -31,14 +31,14 @@ from jaxamp._src.facade.mmengine import hyperparams as hp
 class TorchSGDState(NamedTuple):
   """State of PyTorch's SGD: the step count and the momentum buffers (``()`` without momentum)."""
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # optax's name; shadows tuple.count
   momentum_buffer: Any
 
 
 class TorchAdamState(NamedTuple):
   """State of PyTorch's Adam/AdamW (``max_exp_avg_sq`` is ``()`` without amsgrad)."""
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # optax's name; shadows tuple.count
   exp_avg: Any
   exp_avg_sq: Any
   max_exp_avg_sq: Any
@@ -47,7 +47,7 @@ class TorchAdamState(NamedTuple):
 class TorchRMSpropState(NamedTuple):
   """State of PyTorch's RMSprop (``()`` for the buffers it does not use)."""
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # optax's name; shadows tuple.count
   square_avg: Any
   momentum_buffer: Any
   grad_avg: Any
@@ -56,7 +56,7 @@ class TorchRMSpropState(NamedTuple):
 class TorchAdagradState(NamedTuple):
   """State of PyTorch's Adagrad."""
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # optax's name; shadows tuple.count
   state_sum: Any
 
 

@@ -13,7 +13,7 @@ object or a new Python number compiles again, exactly as with
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import jax
 
@@ -73,7 +73,7 @@ def split_call(loss_fn: Any, args: tuple, kwargs: dict, has_aux: bool):
   """Flattens ``(loss_fn, args, kwargs)``: array leaves are traced, the rest static."""
   leaves, treedef = jax.tree.flatten((loss_fn, args, kwargs))
   dynamic = []
-  statics = []
+  statics: List[Optional[StaticLeaf]] = []
   for leaf in leaves:
     if is_array(leaf):
       dynamic.append(leaf)

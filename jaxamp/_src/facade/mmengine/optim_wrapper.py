@@ -49,7 +49,7 @@ def fusable(method: Callable) -> Callable:
   call only when the class's ``backward`` and ``step`` are both marked: a
   subclass overriding either without the mark gets the unfused path.
   """
-  method._jaxamp_fusable = True  # type: ignore[attr-defined]
+  method.jaxamp_fusable = True  # type: ignore[attr-defined]
   return method
 
 
@@ -594,8 +594,8 @@ class OptimWrapper:
 
   def _can_fuse(self) -> bool:
     cls = type(self)
-    return (getattr(cls.step, "_jaxamp_fusable", False)
-            and getattr(cls.backward, "_jaxamp_fusable", False)
+    return (getattr(cls.step, "jaxamp_fusable", False)
+            and getattr(cls.backward, "jaxamp_fusable", False)
             and not (self._clip is not None and self._clip.error_if_nonfinite))
 
   def update_params(self, loss_fn: Callable[..., Any], *args: Any,

@@ -89,6 +89,8 @@ def validated_like_params(value: Any, params: Any, what: str) -> Any:
   numpy leaves are put on the device with the sharding of the matching
   parameter.
   """
+  ref_def: Any
+  treedef: Any
   ref_leaves, ref_def = jax.tree_util.tree_flatten_with_path(params)
   leaves, treedef = jax.tree.flatten(value)
   if treedef != ref_def:
@@ -109,6 +111,8 @@ def validated_like_params(value: Any, params: Any, what: str) -> Any:
 
 def validated_like(value: Any, reference: Any, what: str) -> Any:
   """``value`` as a pytree with ``reference``'s structure, shapes and dtypes (on its devices)."""
+  ref_def: Any
+  treedef: Any
   ref_leaves, ref_def = jax.tree_util.tree_flatten_with_path(reference)
   try:
     leaves, treedef = jax.tree.flatten(value)
