@@ -114,8 +114,8 @@ def main(argv=None) -> None:
   keys = iter(jax.random.split(jax.random.key(1), len(params)))
   grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype) * 1e-3, params)
   n = sum(p.size for p in jax.tree.leaves(params))
-  print(f"{device_summary()}; {n:,} float32 params in {len(params)} {args.shapes} leaves; k = {k}, adam inside; "
-        f"{args.rounds} rounds")
+  print(f"{device_summary()}; {n:,} float32 params in {len(params)} {args.shapes} leaves; "
+        f"k = {k}, adam inside; {args.rounds} rounds")
 
   adam = optax.adam(1e-3)
   variants = {

@@ -38,9 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jaxamp  # noqa: E402
 from benchmarks.common import (device_summary, interleaved_medians,  # noqa: E402
                                mlp_loss as loss_fn, mlp_problem, print_ratios)
+from tests._tracing import install as count_traces, trace_counts  # noqa: E402
 
 
 def main() -> None:
+  count_traces()
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--hidden", type=int, default=1024)
   parser.add_argument("--depth", type=int, default=3)
@@ -109,7 +111,7 @@ def main() -> None:
   print_ratios({k: medians[k] for k in ("core_acc4", "amp_wrapper_acc4",
                                         "amp_wrapper_acc4_donate")}, "core_acc4",
                "accumulative_counts=4, per micro-batch")
-  counts = dict(wrapper._trace_counts)
+  counts = dict(trace_counts(wrapper))
   assert all(v == 1 for v in counts.values()), counts
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import os
 import re
 import sys
@@ -61,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
 from benchmarks.common import device_summary, interleaved_medians, print_ratios  # noqa: E402
-from jaxamp._src.sharding import hlo_collectives  # noqa: E402
+from tests._hlo import hlo_collectives  # noqa: E402
 
 INIT_SCALE = 2.0**10
 

@@ -124,5 +124,5 @@ def device_summary() -> str:
   return f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
 
 
-__all__: Sequence[str] = ("add_param_args", "make_params", "make_mlp", "mlp_problem", "mlp_loss", "interleaved_medians", "print_ratios", "block",
-                          "device_summary")
+__all__: Sequence[str] = ("add_param_args", "make_params", "make_mlp", "mlp_problem", "mlp_loss",
+                          "interleaved_medians", "print_ratios", "block", "device_summary")

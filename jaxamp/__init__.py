@@ -6,9 +6,9 @@ from jaxamp._src.clipping import clip_grad_norm
 from jaxamp._src.clipping import clip_grad_value
 from jaxamp._src.clipping import total_grad_norm
 from jaxamp._src.facade.builder import build_optim_wrapper
-from jaxamp._src.facade.mmengine import AmpOptimWrapper
-from jaxamp._src.facade.mmengine import OptimWrapper
-from jaxamp._src.facade.mmengine import OptimWrapperDict
+from jaxamp._src.facade.mmengine.amp_optim_wrapper import AmpOptimWrapper
+from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
+from jaxamp._src.facade.mmengine.optim_wrapper_dict import OptimWrapperDict
 from jaxamp._src.facade.torch import GradScaler
 from jaxamp._src.loss_scale import dynamic_loss_scale
 from jaxamp._src.loss_scale import static_loss_scale

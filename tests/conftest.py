@@ -1,12 +1,14 @@
-"""Test configuration: strict dtype and rank promotion, as the house style asks."""
+"""Test configuration: trace counting, the 8-device tests (strict promotion: ../conftest.py)."""
 
 import os
 
-import jax
 import pytest
 
-jax.config.update("jax_numpy_dtype_promotion", "strict")
-jax.config.update("jax_numpy_rank_promotion", "raise")
+from tests import _tracing
+
+# Every trace of the optimizer wrappers' jitted functions is counted, by name
+# (tests._tracing.trace_counts reads them).
+_tracing.install()
 
 # tests/multihost/ holds scripts that tests start as processes of their own. The
 # 8-device tests need XLA_FLAGS set before jax starts: tests/test_multidevice.py runs

@@ -12,7 +12,6 @@ import pytest
 
 from jaxamp.demo import cli
 from jaxamp.demo import data
-from jaxamp.demo import progress
 from jaxamp.demo import train
 
 def run_demo(args, **streams):
@@ -133,30 +132,3 @@ def test_spirals_are_deterministic_and_balanced():
   assert min(counts) > 500
   with pytest.raises(ValueError, match="num_classes must be >= 2"):
     data.make_spirals(10, num_classes=1)
-
-
-class FakeTerminal(io.StringIO):
-  encoding = "utf-8"
-
-  def isatty(self):
-    return True
-
-
-def test_progress_bar_redraws_in_place_on_a_terminal():
-  stream = FakeTerminal()
-  now = [0.0]
-  bar = progress.ProgressBar(10, stream=stream, width=10, min_interval=1.0, clock=lambda: now[0])
-  for i in range(1, 11):
-    now[0] = i * 0.5
-    bar.update(i, f"loss {1 / i:.2f}")
-  bar.close()
-  text = stream.getvalue()
-  assert text.count("\n") == 1 and text.endswith("\n")
-  assert text.count("\r") == 7  # every second update (1 s apart), the last one, and close
-  assert "100% |\u2588\u2588\u2588\u2588\u2588\u2588\u2588\u2588\u2588\u2588| 10/10" in text
-  assert "[00:05<00:00, 2.0 step/s] loss 0.10" in text
-
-
-def test_progress_bar_rejects_an_empty_total():
-  with pytest.raises(ValueError, match="total must be >= 1, got 0"):
-    progress.ProgressBar(0)

@@ -123,4 +123,4 @@ def test_code_blocks_run(page):
   # itself needs them), not for the strict ones the test suite sets.
   with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
     for block in blocks:
-      exec(compile(block, f"docs/{page}", "exec"), namespace)  # pylint: disable=exec-used
+      exec(compile(block, f"docs/{page}", "exec"), namespace)

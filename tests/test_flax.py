@@ -95,7 +95,7 @@ def linen_run():
 
 
 def test_linen_trains_in_float16_with_scaling_and_accumulation(linen_run):
-  state, records = linen_run["state"], linen_run["records"]
+  state = linen_run["state"]
   assert all(p.dtype == F32 for p in jax.tree.leaves(state.params))
   xs, labels, model = linen_run["xs"], linen_run["labels"], linen_run["model"]
   loss = jax.jit(lambda p: _cross_entropy(jax.vmap(lambda x: model.apply({"params": p}, x))(xs),

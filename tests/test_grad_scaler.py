@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jaxamp
+from tests._tracing import trace_counts
+from jaxamp._src.facade import scaler_core
 from jaxamp._src.facade import torch as facade
 
 F32_TINY = float(np.finfo(np.float32).tiny)
@@ -613,7 +614,7 @@ def test_200_steps_with_optim_wrapper_compile_once():
   scaler = jaxamp.GradScaler(init_scale=2.0**20, growth_interval=5)
   xs = jnp.linspace(-1.0, 1.0, 8)
   rule = scaler._rule
-  before_unscale = facade._unscale_and_check._cache_size()
+  before_unscale = scaler_core._unscale_and_check._cache_size()
   for i in range(200):
     opt.zero_grad()
     opt.backward(scaler.scale(loss), xs * (1.0 + 1e-3 * i))
@@ -622,9 +623,9 @@ def test_200_steps_with_optim_wrapper_compile_once():
     scaler.step(opt)
     scaler.update()
   assert traces["n"] == 1
-  assert set(opt._trace_counts.values()) == {1}
-  assert facade.update_fn(rule)._cache_size() == 1
-  assert facade._unscale_and_check._cache_size() - before_unscale <= 1
+  assert set(trace_counts(opt).values()) == {1}
+  assert scaler_core.update_fn(rule)._cache_size() == 1
+  assert scaler_core._unscale_and_check._cache_size() - before_unscale <= 1
   assert scaler.get_scale() < 2.0**20 * 2.0**40  # grew, backed off, never inf
   assert np.all(np.isfinite(np.asarray(opt.params["w"])))
 
@@ -767,7 +768,7 @@ def _adam_loop(unscale_first, clip_grad, codes):
   trajectory = [{"params": np.array(opt.params["w"]), "mu": np.array(opt.opt_state[0].mu["w"]),
                  "grads": np.array(opt.grads["w"]), "scale": scaler.get_scale()}
                 for scaler in _scaler_loop(opt, codes, unscale_first)]
-  assert ("apply_scaled" in opt._trace_counts) is not unscale_first  # pylint: disable=protected-access
+  assert ("apply_scaled" in trace_counts(opt)) is not unscale_first
   return trajectory
 
 
@@ -821,7 +822,7 @@ def test_donating_holder_compiles_once_and_invalidates_held_arrays():
     opt.backward(scaler.scale(_poisoned_loss), x, jnp.int32(int(i % 9 == 4)))
     scaler.step(opt)
     scaler.update()
-  counts = dict(opt._trace_counts)  # pylint: disable=protected-access
+  counts = dict(trace_counts(opt))
   assert counts and all(v == 1 for v in counts.values()), counts
   held, saved = opt.params, opt.state_dict()
   opt.zero_grad()

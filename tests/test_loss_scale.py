@@ -15,7 +15,6 @@ from hypothesis import given, settings, strategies as st
 from jax import lax
 
 import jaxamp
-from jaxamp._src import loss_scale
 
 F32_TINY = float(np.finfo(np.float32).tiny)
 F32_MAX = float(np.finfo(np.float32).max)

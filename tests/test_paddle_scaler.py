@@ -275,7 +275,7 @@ def test_state_dict_format_and_round_trip():
 def test_loop_compiles_once():
   scaler = jaxamp.paddle.GradScaler(init_loss_scaling=2.0**10, incr_every_n_steps=3)
   _run(scaler, {2, 3}, 4)
-  from jaxamp._src.facade import torch as facade
+  from jaxamp._src.facade import scaler_core as facade
   update = facade.update_fn(scaler._rule)
   sizes = update._cache_size(), facade._unscale_and_check._cache_size()
   _run(scaler, {1, 5, 6}, 20)
@@ -377,7 +377,7 @@ def test_donating_holder_is_bit_identical():
       opt.backward(scaler.scale(loss), x, jnp.int32(code))
       scaler.minimize(opt)
       opt.zero_grad()
-      state = scaler._state  # pylint: disable=protected-access
+      state = scaler._state
       out.append((_bits(opt.params), _bits(opt.opt_state), _bits(state)))
     runs.append(out)
   assert runs[0] == runs[1]

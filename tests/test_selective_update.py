@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 
 import jax
@@ -11,11 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings, strategies as st
 
 import jaxamp
 from jaxamp._src import finite
-from jaxamp._src import numerics
 from jaxamp._src import selective_update
 
 F32_TINY = float(np.finfo(np.float32).tiny)
@@ -50,7 +47,7 @@ def adam_setup():
 def _naive(pred, tx, grads, state, params):
   updates, new_state = tx.update(grads, state, params)
   updates = jax.tree.map(lambda u: jnp.where(pred, u, -0.0 * jnp.ones_like(u)), updates)
-  return updates, numerics.select_tree(pred, new_state, state)
+  return updates, optax.tree.where(pred, new_state, state)
 
 
 @pytest.mark.parametrize("pred", [True, False])

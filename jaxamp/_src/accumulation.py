@@ -11,9 +11,7 @@ never leaks from one window into the next.
 from __future__ import annotations
 
 import functools
-import numbers
-import warnings
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +20,6 @@ import optax
 from jax import lax
 
 from jaxamp._src import finite
-from jaxamp._src import numerics
 from jaxamp._src import sharding
 from jaxamp._src import state as state_lib
 from jaxamp._src import validation
@@ -184,13 +181,13 @@ def accumulate_gradients(
     >>> updates['w']
     Array([-3., -3.], dtype=float32)
   """
-  inner = validation.check_transformation("inner", inner)
-  k = validation.check_int("every_k", every_k)
+  inner = validation.check_gradient_transformation(inner, "inner")
+  k = validation.check_count("every_k", every_k)
   if not isinstance(average, (bool, np.bool_)):
     raise TypeError(f"average must be a bool, got {average!r} of type {type(average).__name__}")
   average = bool(average)
   if total_steps is not None:
-    total_steps = validation.check_int("total_steps", total_steps)
+    total_steps = validation.check_count("total_steps", total_steps)
   acc_dtype = validation.check_float_dtype("accumulator_dtype", accumulator_dtype, allow_none=True)
   if not isinstance(raise_past_end, (bool, np.bool_)):
     raise TypeError(f"raise_past_end must be a bool, got {raise_past_end!r} of type "
@@ -221,7 +218,9 @@ def accumulate_gradients(
         inner_state=inner.init(params),
     )
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates: optax.Updates, state: Any, params: Optional[optax.Params] = None,
+                **extra_args: Any) -> tuple[optax.Updates, Any]:
+    grads = updates  # the (scaled) gradients
     grads = finite.stored_once(grads)  # one stored copy, as in the loss scalers
     # Static: a loss scaler inside does its own finite check and skipping.
     scaler_inside = state_lib.skips_nonfinite_steps(state.inner_state)
@@ -332,15 +331,15 @@ def accumulate_gradients(
       acc = optax.EmptyState()
 
     mini_step = jnp.where(emit, 0, state.mini_step + 1)
-    if total_steps is not None:
+    if beyond is not None:
       mini_step = jnp.where(beyond, state.mini_step, mini_step)
     new_state = AccumulationState(
         mini_step=mini_step.astype(jnp.int32),
-        gradient_step=jnp.where(emit, numerics.safe_increment(state.gradient_step),
+        gradient_step=jnp.where(emit, optax.safe_increment(state.gradient_step),
                                 state.gradient_step).astype(jnp.int32),
-        micro_step=numerics.safe_increment(state.micro_step),
+        micro_step=jnp.asarray(optax.safe_increment(state.micro_step), jnp.int32),
         updated=jnp.asarray(emit, jnp.bool_),
-        skipped_windows=jnp.where(dropped, numerics.safe_increment(state.skipped_windows),
+        skipped_windows=jnp.where(dropped, optax.safe_increment(state.skipped_windows),
                                   state.skipped_windows).astype(jnp.int32),
         acc_grads=acc,
         inner_state=inner_state,

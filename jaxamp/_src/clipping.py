@@ -10,34 +10,34 @@ host sync, the way mmengine logs ``train/grad_norm``.
 from __future__ import annotations
 
 import math
-import numbers
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp._src import validation
 from jaxamp._src.state import ClipGradNormState
 
 # PyTorch adds this to the total norm before dividing max_norm by it.
 _EPS = 1e-6
 
 
-def _check_real(name: str, value: Any) -> float:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
-  return float(value)
+def norm_order(norm_type: Any) -> float:
+  """``norm_type`` as a float order: a real number, or ``'inf'``/``'-inf'`` (PyTorch's spelling).
 
-
-def _norm_order(norm_type: Any) -> float:
+  Raises:
+    TypeError: neither a real number nor a string.
+    ValueError: nan, or another string.
+  """
   if isinstance(norm_type, str):
     if norm_type.strip().lower() in ("inf", "+inf", "infinity"):
       return math.inf
     if norm_type.strip().lower() in ("-inf", "-infinity"):
       return -math.inf
     raise ValueError(f"norm_type must be a number or 'inf', got {norm_type!r}")
-  norm_type = _check_real("norm_type", norm_type)
+  norm_type = validation.check_real("norm_type", norm_type)
   if math.isnan(norm_type):
     raise ValueError(f"norm_type must not be nan, got {norm_type!r}")
   return norm_type
@@ -74,7 +74,7 @@ def total_grad_norm(grads: Any, norm_type: float | str = 2.0) -> jax.Array:
     >>> jaxamp.total_grad_norm({'a': jnp.array([3.0]), 'b': jnp.array([-4.0])}, 'inf')
     Array(4., dtype=float32)
   """
-  order = _norm_order(norm_type)
+  order = norm_order(norm_type)
   leaves = [g for g in jax.tree.leaves(grads)
             if jnp.issubdtype(jnp.result_type(g), jnp.inexact) and jnp.size(g) > 0]
   if not leaves:
@@ -119,8 +119,8 @@ def clip_grad_norm(max_norm: float, norm_type: float | str = 2.0) -> optax.Gradi
     >>> clipped['w'], state.total_norm
     (Array([0.5999999 , 0.79999983], dtype=float32), Array(5., dtype=float32))
   """
-  max_norm_ = _check_real("max_norm", max_norm)
-  order = _norm_order(norm_type)
+  max_norm_ = validation.check_real("max_norm", max_norm)
+  order = norm_order(norm_type)
 
   def init_fn(params):
     del params
@@ -154,7 +154,7 @@ def clip_grad_value(clip_value: float) -> optax.GradientTransformation:
     >>> tx.update(grads, tx.init(grads))[0]['w']
     Array([-0.5 ,  0.25,  0.5 ], dtype=float32)
   """
-  value = _check_real("clip_value", clip_value)
+  value = validation.check_real("clip_value", clip_value)
 
   def init_fn(params):
     del params
@@ -185,7 +185,7 @@ def check_total_norm(total_norm: Any, norm_type: float | str = 2.0) -> None:
     RuntimeError: with PyTorch's message, when the norm is nan or infinite.
   """
   if not np.isfinite(np.asarray(total_norm)):
-    order = _norm_order(norm_type)
+    order = norm_order(norm_type)
     raise RuntimeError(
         f"The total norm of order {order} for gradients from `parameters` is non-finite, so "
         "it cannot be clipped. To disable this error and scale the gradients by the "

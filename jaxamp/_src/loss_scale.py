@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import warnings
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax import lax
 
 from jaxamp._src import finite
 from jaxamp._src import numerics
@@ -87,8 +84,8 @@ def make_rule(*, growth_factor: float = 2.0, backoff_factor: float = 0.5,
   backoff_factor = validation.check_finite("backoff_factor", backoff_factor)
   if not 0.0 < backoff_factor < 1.0:
     raise ValueError(f"backoff_factor must be in the open interval (0, 1), got {backoff_factor!r}")
-  growth_interval = validation.check_int("growth_interval", growth_interval)
-  hysteresis = validation.check_int("hysteresis", hysteresis)
+  growth_interval = validation.check_count("growth_interval", growth_interval)
+  hysteresis = validation.check_count("hysteresis", hysteresis)
   min_scale = DEFAULT_MIN_SCALE if min_scale is None else validation.check_finite("min_scale", min_scale)
   max_scale = DEFAULT_MAX_SCALE if max_scale is None else validation.check_finite("max_scale", max_scale)
   if min_scale < DEFAULT_MIN_SCALE:
@@ -143,7 +140,7 @@ DEFAULT_STALL_AFTER = 50
 
 def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.AxisName,
              stall_after: int) -> optax.GradientTransformationExtraArgs:
-  inner = validation.check_transformation("inner", inner)
+  inner = validation.check_gradient_transformation(inner, "inner")
 
   def init_fn(params):
     check_grad_dtypes(params, "params")
@@ -164,7 +161,9 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
         inner_state=inner_state,
     )
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates: optax.Updates, state: Any, params: Optional[optax.Params] = None,
+                **extra_args: Any) -> tuple[optax.Updates, Any]:
+    grads = updates  # the (scaled) gradients
     check_grad_dtypes(grads, "gradient")
     # One stored copy of the gradients for the check and the update alike, where
     # XLA honours barriers through fusion (see jaxamp._src.finite).
@@ -189,9 +188,9 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
     found_inf = jnp.logical_not(check.finite)
     scale, tracker, overflow = rule.adjust(state.scale, state.growth_tracker,
                                            state.overflow_count, found_inf)
-    skipped_steps = jnp.where(found_inf, numerics.safe_increment(state.skipped_steps),
+    skipped_steps = jnp.where(found_inf, optax.safe_increment(state.skipped_steps),
                               state.skipped_steps)
-    streak = jnp.where(found_inf, numerics.safe_increment(state.skip_streak), 0).astype(jnp.int32)
+    streak = jnp.where(found_inf, optax.safe_increment(state.skip_streak), 0).astype(jnp.int32)
     at_floor = rule.dynamic and state.scale <= jnp.float32(rule.min_scale)
     stalled = found_inf & ((streak >= stall_after) | at_floor)
     return updates, LossScaleState(scale, tracker, overflow, found_inf, skipped_steps, streak,
@@ -311,7 +310,7 @@ def dynamic_loss_scale(
                    min_scale=min_scale, max_scale=max_scale)
   validation.check_scale("init_scale", init_scale_, rule.min_scale, rule.max_scale)
   return _scaling(inner, init_scale_, rule, axis_name,
-                  validation.check_int("stall_after", stall_after))
+                  validation.check_count("stall_after", stall_after))
 
 
 def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
@@ -344,11 +343,4 @@ def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
   """
   scale_ = validation.check_scale("scale", scale)
   return _scaling(inner, scale_, ScaleRule(dynamic=False), axis_name,
-                  validation.check_int("stall_after", stall_after))
-
-
-
-
-# Until the facades import them from jaxamp._src.validation.
-check_scale = validation.check_scale
-_check_number = validation.check_finite
+                  validation.check_count("stall_after", stall_after))

@@ -1,41 +1,13 @@
-"""Small numerical helpers: tree selection, saturating counters, float64-rounded scale products."""
+"""Float64-rounded scale products in float32 arithmetic, as PyTorch updates its loss scale."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
-# Until the facades import them from their own modules.
-from jaxamp._src.finite import AxisName, all_finite, float_leaves, unscale  # noqa: F401
-from jaxamp._src.finite import unscaled_all_finite  # noqa: F401
-from jaxamp._src.selective_update import select_update  # noqa: F401
-
-
-def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-  """Elementwise ``where(pred, a, b)`` over two pytrees of the same structure.
-
-  The result keeps each leaf's dtype of ``on_false`` (the old value), so a
-  state stays type-stable under ``lax.cond``/``lax.scan``. Selection, unlike a
-  multiplication by 0/1, never lets a NaN of the unselected side through.
-  """
-
-  def pick(a, b):
-    dtype = jnp.result_type(b)
-    return jnp.where(pred, jnp.asarray(a).astype(dtype), b).astype(dtype)
-
-  return jax.tree.map(pick, on_true, on_false)
-
-
-def safe_increment(count: jax.Array) -> jax.Array:
-  """Adds one to an integer counter, saturating at its dtype's maximum."""
-  top = jnp.iinfo(count.dtype).max
-  return jnp.where(count < top, count + 1, count).astype(count.dtype)
-
 
 def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Splits a float32 into a 12-bit head and an exact tail (Dekker), overflow-free."""

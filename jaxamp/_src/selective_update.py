@@ -150,16 +150,16 @@ def select_update(pred: Pred, update: Callable[[], tuple[Any, Any]], old_state: 
   old_leaves, old_def = jax.tree.flatten(old_state)
   closed, shapes = jax.make_jaxpr(update, return_shape=True)()  # the update's own errors raise
   out_def = jax.tree.structure(shapes)
-  updates_def = jax.tree.structure(shapes[0])
+  num_updates = len(jax.tree.leaves(shapes[0]))
+  new_def: Any = jax.tree.structure(shapes[1])
   try:
-    if jax.tree.structure(shapes[1]) != old_def:
-      raise ValueError(f"the new state's structure {jax.tree.structure(shapes[1])} is not the "
-                       f"old state's {old_def}")
-    outputs = _eval_selecting(closed, _own_errors(decide), watch, unscaled_from,
-                              updates_def.num_leaves, old_leaves)
+    if new_def != old_def:
+      raise ValueError(f"the new state's structure {new_def} is not the old state's {old_def}")
+    outputs = _eval_selecting(closed, _own_errors(decide), watch, unscaled_from, num_updates,
+                              old_leaves)
   except _PredicateError as err:
-    raise err.__cause__ from None  # the predicate's own error (a sharding check's, say)
-  except Exception as err:  # pylint: disable=broad-except
+    raise err.original from None  # the predicate's own error (a sharding check's, say)
+  except Exception as err:  # noqa: BLE001 -- any failure to interpret takes the plain path, loudly
     reason = f"{type(err).__name__}: {err}"
     if reason not in _warned:
       _warned.add(reason)
@@ -175,13 +175,17 @@ def select_update(pred: Pred, update: Callable[[], tuple[Any, Any]], old_state: 
 class _PredicateError(Exception):
   """Carries an error raised by the predicate through the interpretation."""
 
+  def __init__(self, original: Exception):
+    super().__init__(str(original))
+    self.original = original
+
 
 def _own_errors(decide: Callable[[list], jax.Array]) -> Callable[[list], jax.Array]:
   def wrapped(witnesses: list) -> jax.Array:
     try:
       return decide(witnesses)
     except Exception as err:
-      raise _PredicateError() from err
+      raise _PredicateError(err) from err
   return wrapped
 
 
@@ -273,7 +277,7 @@ def _witnesses(closed: Any, watch: Sequence[jax.Array], stop: int) -> list:
     rounded[out] = name in _ROUNDING or all(rounded[v] for v in from_source)
     made_by[out] = k
 
-    def operand_degree(v):
+    def operand_degree(v, i=i):
       if _is_zero(v, zeros):
         return _ZERO
       if isinstance(v, jex_core.Literal) or (v in consts and v not in watched):
@@ -376,8 +380,9 @@ def _eval_selecting(closed: Any, decide: Callable[[list], jax.Array], watch: Seq
   swap: dict = {}
   for i, (v, old) in enumerate(zip(state_vars, old_leaves)):
     old = jnp.asarray(old)
+    aval: Any = v.aval
     if (isinstance(v, jex_core.Var) and v in defined and v not in swap
-        and v.aval.shape == old.shape and v.aval.dtype == old.dtype):
+        and aval.shape == old.shape and aval.dtype == old.dtype):
       swap[v] = i
   # The predicate is needed from the first selection on.
   first = next((k for k, eqn in enumerate(jaxpr.eqns) if any(v in swap for v in eqn.outvars)),
@@ -393,7 +398,7 @@ def _eval_selecting(closed: Any, decide: Callable[[list], jax.Array], watch: Seq
     env.update(_from_raw(closed, witnesses, read, *unscaled_from))
     skip = {k for w in witnesses if w is not None and w.var in env for k in w.chain}
   witness_vars = [None if w is None else w.var for w in witnesses]
-  pred = None
+  pred: Any = None
   for k, eqn in enumerate(jaxpr.eqns):
     if k == first:
       pred = decide([None if w is None else read(w) for w in witness_vars])
@@ -405,6 +410,7 @@ def _eval_selecting(closed: Any, decide: Callable[[list], jax.Array], watch: Seq
       env[v] = val
   if pred is None:
     pred = decide([None if w is None else read(w) for w in witness_vars])
+  assert pred is not None
 
   outputs = [read(v) for v in jaxpr.outvars]
   updates = [jnp.where(pred, u, neg_zeros_like(u)) for u in outputs[:num_updates]]

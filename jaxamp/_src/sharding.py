@@ -1,10 +1,9 @@
 """Sharding helpers: one decision on every device, state typed like the gradients.
 
 Where the finite check must be reduced so that every device takes the same
-decision (:func:`finite_reduction_axes`), fresh values with the sharding and
-``shard_map`` type of the gradients (:func:`full_like_type`,
-:func:`mark_varying`), and the collectives of a compiled step
-(:func:`hlo_collectives`, for tests and benchmarks).
+decision (:func:`finite_reduction_axes`), and fresh values with the sharding
+and ``shard_map`` type of the gradients (:func:`full_like_type`,
+:func:`mark_varying`).
 
 Inside ``shard_map`` (with ``check_vma=True``, the default) JAX records in each
 value's type the manual mesh axes it varies over (``jax.typeof(x).vma``). If
@@ -60,13 +59,13 @@ def varying_axes(x: Any) -> frozenset:
   aval = _aval(x)
   vma = getattr(aval, "vma", None)
   if vma is None:
-    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-  return frozenset(vma)
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  return frozenset(vma or ())
 
 
 def tree_varying_axes(tree: Any) -> frozenset:
   """The union of :func:`varying_axes` over the leaves of ``tree`` (non-array leaves ignored)."""
-  out = frozenset()
+  out: frozenset = frozenset()
   for x in jax.tree.leaves(tree):
     try:
       out |= varying_axes(x)
@@ -158,51 +157,3 @@ def finite_reduction_axes(tree: Any, axis_name: AxisName, what: str = "all_finit
         "the gradients over those axes first (lax.pmean); pass axis_name=() only if each shard "
         "really is meant to decide on its own.")
   return tuple(a for a in axes if a in varying or not _tracks_variation(a))
-
-
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-                "collective-broadcast", "ragged-all-to-all")
-
-
-def hlo_collectives(hlo_text: str) -> list:
-  r"""Lists the collectives in the text of a compiled (or lowered) XLA HLO module.
-
-  Used by the tests and benchmarks to check which communication a step
-  contains, e.g. ``hlo_collectives(jax.jit(step).lower(*args).compile().as_text())``.
-
-  Returns:
-    A list of ``(op, result_shape, computation)`` tuples in program order:
-    ``op`` such as ``'all-reduce'`` (asynchronous ``-start`` halves are counted
-    once, ``-done`` halves not at all), ``result_shape`` as HLO prints it
-    (``'f32[64,32]{1,0}'``, ``'(pred[], pred[])'``), and the name of the HLO
-    computation that contains it (``'ENTRY'`` for the entry computation), which
-    tells whether it sits inside a branch of a conditional.
-
-  Examples:
-    >>> import jax
-    >>> hlo_collectives(jax.jit(lambda x: x + 1).lower(1.0).compile().as_text())
-    []
-    >>> hlo_collectives("ENTRY %main {\n  %r = f32[4]{0} all-reduce(f32[4]{0} %x), to_apply=%add\n}")
-    [('all-reduce', 'f32[4]{0}', 'ENTRY')]
-  """
-  found = []
-  computation = ""
-  for line in hlo_text.splitlines():
-    stripped = line.strip()
-    if stripped.endswith("{") and "=" not in stripped.split("(")[0]:
-      words = stripped.split()
-      computation = "ENTRY" if words[0] == "ENTRY" else words[0].lstrip("%")
-      continue
-    if " = " not in stripped:
-      continue
-    rhs = stripped.split(" = ", 1)[1]
-    for op in _COLLECTIVES:
-      for suffix in ("(", "-start("):
-        marker = f" {op}{suffix}"
-        if marker in rhs:
-          found.append((op, rhs[:rhs.index(marker)].strip(), computation))
-          break
-      else:
-        continue
-      break
-  return found

@@ -6,9 +6,9 @@ facades, the diagnostics) reads them through the functions of this module,
 which work through ``optax.chain``, ``optax.inject_hyperparams`` and any other
 nesting.
 
-A state type that skips non-finite steps itself declares it with a class
-attribute ``skips_nonfinite_steps = True``; :func:`skips_nonfinite_steps` is how
-an outer transformation (gradient accumulation) learns that an inner one checks
+A transformation that skips non-finite steps itself declares its state type
+with :func:`declare_skipping_state`; :func:`skips_nonfinite_steps` is how an
+outer transformation (gradient accumulation) learns that an inner one checks
 the gradients, without knowing its type.
 """
 
@@ -69,9 +69,6 @@ class LossScaleState(NamedTuple):
   nan_counts: jax.Array
   inner_state: optax.OptState
 
-  #: The transformation skips non-finite steps itself (see :func:`skips_nonfinite_steps`).
-  skips_nonfinite_steps = True
-
 
 class ClipGradNormState(NamedTuple):
   """State of :func:`clip_grad_norm`.
@@ -123,15 +120,24 @@ def find_states(opt_state: optax.OptState, cls: type) -> list[Any]:
           if isinstance(n, cls)]
 
 
+_SKIPPING_STATES: set[type] = {LossScaleState}
+
+
+def declare_skipping_state(cls: type) -> type:
+  """Declares that a transformation whose state has type ``cls`` skips non-finite steps itself."""
+  _SKIPPING_STATES.add(cls)
+  return cls
+
+
 def _declares_skipping(node: Any) -> bool:
-  return bool(getattr(type(node), "skips_nonfinite_steps", False))
+  return type(node) in _SKIPPING_STATES
 
 
 def skips_nonfinite_steps(opt_state: optax.OptState) -> bool:
   """Whether a transformation inside ``opt_state`` checks its gradients and skips non-finite steps.
 
-  True when a node's type declares ``skips_nonfinite_steps = True``, as
-  :class:`LossScaleState` does. A static (trace-time) answer.
+  True when a node's type was declared with :func:`declare_skipping_state`,
+  as :class:`LossScaleState` is. A static (trace-time) answer.
   """
   return any(_declares_skipping(n) for n in jax.tree.leaves(opt_state, is_leaf=_declares_skipping))
 

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp._src import numerics
 from jaxamp._src import state as state_lib
 
 
@@ -120,7 +119,7 @@ class TrainState:
     updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
     params = optax.apply_updates(self.params, updates)
     applied = state_lib.update_applied(self.opt_state, opt_state)
-    step = jnp.where(applied, numerics.safe_increment(self.step), self.step)
+    step = jnp.where(applied, optax.safe_increment(self.step), self.step)
     return self.replace(step=step.astype(self.step.dtype), params=params, opt_state=opt_state,
                         **kwargs)
 

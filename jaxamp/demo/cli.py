@@ -9,11 +9,31 @@ import os
 import sys
 from typing import Optional, Sequence, TextIO
 
+from rich import console as rich_console
+from rich import progress as rich_progress
+
 from jaxamp.demo import plot as plot_lib
-from jaxamp.demo import progress as progress_lib
 from jaxamp.demo import train as train_lib
 
 _DEFAULTS = train_lib.DemoConfig()
+
+
+def progress_bar(stream: TextIO) -> rich_progress.Progress:
+  """A ``rich`` progress bar on ``stream``: ``train  40% |####    | 40/100 0:00:02 0:00:03 ...``.
+
+  On a terminal it is redrawn in place; elsewhere (a log file, a captured
+  stream) its final state is written once, on one line.
+  """
+  console = rich_console.Console(file=stream, width=None if stream.isatty() else 160)
+  return rich_progress.Progress(
+      rich_progress.TextColumn("{task.description}"),
+      rich_progress.TextColumn("{task.percentage:>3.0f}% |"),
+      rich_progress.BarColumn(bar_width=24),
+      rich_progress.TextColumn("| {task.completed}/{task.total}"),
+      rich_progress.TimeElapsedColumn(),
+      rich_progress.TimeRemainingColumn(),
+      rich_progress.TextColumn("{task.fields[status]}"),
+      console=console)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,19 +134,21 @@ def main(argv: Optional[Sequence[str]] = None, *, stdout: Optional[TextIO] = Non
 
     def report(done, latest):
       if latest is None:  # training starts: start the clock now, compilation is over
-        bars.append(progress_lib.ProgressBar(config.steps, stream=stderr, desc="train"))
+        bar = progress_bar(stderr)
+        bar.start()
+        bars.append((bar, bar.add_task("train", total=config.steps, status="")))
         return
-      bar = bars[0]
+      bar, task = bars[0]
       status = f"loss {latest['loss']:.4f}"
       if config.loss_scale:
         status += f" | scale {plot_lib.power_of_two(latest['scale'])} | skipped {latest['skipped']}"
-      bar.update(done, status)
+      bar.update(task, completed=done, status=status)
 
   print(f"Training for {config.steps} steps in {config.dtype} on "
         f"{train_lib.default_platform()} (compiling first)...", file=stderr, flush=True)
   result = train_lib.run(config, report=report)
-  for bar in bars:
-    bar.close()
+  for bar, _ in bars:
+    bar.stop()
 
   os.makedirs(args.out, exist_ok=True)
   files = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import numpy as np
 
@@ -25,8 +25,8 @@ def power_of_two(value: float) -> str:
 def new_figure(width: float, height: float) -> Any:
   """A matplotlib ``Figure`` attached to an Agg canvas; imports matplotlib lazily."""
   try:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
-    from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
   except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("The demo's plots need matplotlib: pip install 'jaxamp[demo]'") from error
   figure = Figure(figsize=(width, height), dpi=110, layout="constrained")
@@ -36,7 +36,7 @@ def new_figure(width: float, height: float) -> Any:
 
 def log2_axis(axis: Any) -> None:
   """Base-2 logarithmic y axis labelled ``2^k``."""
-  from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator  # pylint: disable=g-import-not-at-top
+  from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
   axis.set_yscale("log", base=2)
   axis.yaxis.set_major_locator(LogLocator(base=2.0, numticks=8))
@@ -45,19 +45,19 @@ def log2_axis(axis: Any) -> None:
       lambda v, _: f"$2^{{{int(round(math.log2(v)))}}}$" if v > 0 else ""))
 
 
-def moving_average(values: Sequence[float], window: int) -> np.ndarray:
+def moving_average(values: Union[Sequence[float], np.ndarray], window: int) -> np.ndarray:
   """Trailing mean over ``window`` values (shorter at the start), ignoring non-finite values.
 
   Examples:
     >>> moving_average([1.0, 3.0, float('nan'), 5.0], 2).tolist()
     [1.0, 2.0, 3.0, 5.0]
   """
-  values = np.asarray(values, np.float64)
-  finite = np.isfinite(values)
-  sums = np.cumsum(np.where(finite, values, 0.0))
+  array = np.asarray(values, np.float64)
+  finite = np.isfinite(array)
+  sums = np.cumsum(np.where(finite, array, 0.0))
   counts = np.cumsum(finite)
-  shifted_sums = np.concatenate([np.zeros(window), sums[:-window]])[:len(values)]
-  shifted_counts = np.concatenate([np.zeros(window), counts[:-window]])[:len(values)]
+  shifted_sums = np.concatenate([np.zeros(window), sums[:-window]])[:len(array)]
+  shifted_counts = np.concatenate([np.zeros(window), counts[:-window]])[:len(array)]
   with np.errstate(invalid="ignore", divide="ignore"):
     return (sums - shifted_sums) / (counts - shifted_counts)
 
@@ -133,7 +133,7 @@ def plot_training(metrics: dict[str, Any], path: str, *, grid: Any = None,
   if with_regions:
     lim, classes = grid
     ax = figure.add_subplot(spec[:, 1])
-    from matplotlib.colors import ListedColormap  # pylint: disable=g-import-not-at-top
+    from matplotlib.colors import ListedColormap
     palette = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
                "#8c8c8c", "#ccb974", "#64b5cd"]
     num_classes = int(config["num_classes"])

@@ -158,7 +158,7 @@ class DemoResult:
     return self.predict(grid).reshape(n, n)
 
 
-def run(config: DemoConfig, *, report: Optional[Callable[[int, dict[str, float]], None]] = None,
+def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str, float]]], None]] = None,
         report_interval: float = 0.1) -> DemoResult:
   """Trains the demo model and returns its metrics (what ``metrics.json`` holds).
 
@@ -233,7 +233,7 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, dict[str, float]]
 
   def drain():
     values = jax.device_get(pending)
-    micro.extend((float(l), float(s), int(n)) for l, s, n in values)
+    micro.extend((float(loss), float(s), int(n)) for loss, s, n in values)
     pending.clear()
     for step, (loss, acc) in jax.device_get(pending_evals):
       evals.append((step, float(loss), float(acc)))

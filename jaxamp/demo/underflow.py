@@ -106,7 +106,7 @@ def _mse(pred: jax.Array, y: jax.Array) -> jax.Array:
 
 def _zero_fraction(grads: Any) -> jax.Array:
   leaves = jax.tree.leaves(grads)
-  zeros = sum(jnp.sum(g == 0).astype(jnp.float32) for g in leaves)
+  zeros = sum((jnp.sum(g == 0).astype(jnp.float32) for g in leaves), jnp.zeros([], jnp.float32))
   return zeros / float(sum(g.size for g in leaves))
 
 
@@ -161,7 +161,7 @@ def gradient_magnitudes(config: UnderflowConfig, params: Any) -> jax.Array:
   """
   x, y, _ = make_problem(config)
   model = Chain(config.depth, config.width, config.outputs, config.gain, jnp.float32)
-  grads = jax.grad(lambda p: _mse(model.apply({"params": p}, x), y))(params)
+  grads = jax.grad(lambda p: _mse(jnp.asarray(model.apply({"params": p}, x)), y))(params)
   names = [f"Dense_{i}" for i in range(config.depth + 1)]
   return jnp.stack([jnp.quantile(jnp.abs(grads[n]["kernel"]), jnp.array([0.05, 0.5, 0.95]))
                     for n in names])
@@ -174,7 +174,7 @@ def run_all(config: UnderflowConfig) -> dict[str, dict[str, np.ndarray]]:
 
 def plot(config: UnderflowConfig, runs: dict[str, Any], path: str) -> None:
   """Draws loss curves, the loss scale and the gradient magnitudes per layer."""
-  from jaxamp.demo import plot as plot_lib  # pylint: disable=g-import-not-at-top
+  from jaxamp.demo import plot as plot_lib
 
   figure = plot_lib.new_figure(13.0, 4.4)
   ax_loss, ax_scale, ax_grad = figure.subplots(1, 3, gridspec_kw={"width_ratios": [1.3, 1, 1]})

@@ -16,7 +16,7 @@ import jaxamp
 from tests.multidevice import _problem
 from tests.multidevice._problem import (BAD_ROW, BAD_STEP, DIN, DOUT, INIT_SCALE, MICRO,  # noqa: F401
                                        STEPS)
-from jaxamp._src.sharding import hlo_collectives
+from tests._hlo import hlo_collectives
 
 K = 2  # micro-steps per window
 

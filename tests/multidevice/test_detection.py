@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from jaxamp._src.sharding import hlo_collectives
+from tests._hlo import hlo_collectives
 
 
 def _put(mesh, x, spec):

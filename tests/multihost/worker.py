@@ -22,7 +22,7 @@ INIT_SCALE = 1024.0
 
 
 def main(process_id: int, num_processes: int, port: int, out_path: str) -> None:
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_num_cpu_devices", 2)
@@ -40,7 +40,7 @@ def main(process_id: int, num_processes: int, port: int, out_path: str) -> None:
 
 
 def _train(process_id: int, num_processes: int) -> dict:
-  # pylint: disable=import-outside-toplevel
+  # Imported here, after main() has configured jax for several processes.
   import functools
 
   import jax

@@ -1,8 +1,12 @@
 """Imports of the reference libraries, skipping cleanly when they are absent.
 
 Install them with ``pip install -e ".[reference]"`` (PyTorch CPU, mmengine, Paddle).
+With ``JAXAMP_REQUIRE_REFERENCE=1`` (as ``.ci/run`` sets it) a missing library is
+an error instead of a skip.
 """
 
+import importlib
+import os
 import warnings
 from unittest import mock
 
@@ -13,6 +17,8 @@ def import_reference(name: str):
   """Imports a reference library (silencing its import-time warnings) or skips the module."""
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
+    if os.environ.get("JAXAMP_REQUIRE_REFERENCE") == "1":
+      return importlib.import_module(name)
     return pytest.importorskip(name)
 
 

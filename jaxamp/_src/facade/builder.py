@@ -1,492 +1,60 @@
 """``build_optim_wrapper``: mmengine-style config dicts to optimizer wrappers.
 
-PyTorch's optimizers (SGD, Adam, AdamW, RMSprop, Adagrad) are written here as
-optax transformations with PyTorch's update rules, built through
-``optax.inject_hyperparams`` so that their hyperparameters can be read and
-set (``get_lr()``, ``param_groups[i]['lr'] = ...``). ``paramwise_cfg`` splits
-the parameters into groups over their pytree paths with ``optax.partition``.
+The optimizer comes from :mod:`.torch_optimizers` (PyTorch's names, rules
+and checks) or from an optax factory given as the ``type``, built through
+``optax.inject_hyperparams`` so that its hyperparameters can be read and set
+(``get_lr()``, ``param_groups[i]['lr'] = ...``). ``paramwise_cfg`` splits
+the parameters into groups over their pytree paths (mmengine's
+``DefaultOptimWrapperConstructor`` rules, here) with ``optax.partition``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import re
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from jaxamp._src import numerics
-from jaxamp._src.facade import mmengine
-
-# -------------------------------------------------------------------------------------------------
-# PyTorch's optimizers as optax transformations.
-# -------------------------------------------------------------------------------------------------
-
-
-class TorchSGDState(NamedTuple):
-  """State of PyTorch's SGD: the step count and the momentum buffers (``()`` without momentum)."""
-
-  count: jax.Array
-  momentum_buffer: Any
-
-
-class TorchAdamState(NamedTuple):
-  """State of PyTorch's Adam/AdamW (``max_exp_avg_sq`` is ``()`` without amsgrad)."""
-
-  count: jax.Array
-  exp_avg: Any
-  exp_avg_sq: Any
-  max_exp_avg_sq: Any
-
-
-class TorchRMSpropState(NamedTuple):
-  """State of PyTorch's RMSprop (``()`` for the buffers it does not use)."""
-
-  count: jax.Array
-  square_avg: Any
-  momentum_buffer: Any
-  grad_avg: Any
-
-
-class TorchAdagradState(NamedTuple):
-  """State of PyTorch's Adagrad."""
-
-  count: jax.Array
-  state_sum: Any
-
-
-def _like(x: Any, ref: jax.Array) -> jax.Array:
-  return jnp.asarray(x).astype(ref.dtype)
-
-
-def _need_params(params: Any, name: str) -> None:
-  if params is None:
-    raise ValueError(f"{name} needs the params in update(grads, state, params) (for weight decay)")
-
-
-def _prepare_grad(g, p, weight_decay, maximize: bool, coupled: bool):
-  """PyTorch's first lines: negate for ``maximize``, add ``weight_decay * p`` (L2)."""
-  if maximize:
-    g = -g
-  if coupled:
-    wd = _like(weight_decay, g)
-    g = jnp.where(wd != 0, g + wd * p.astype(g.dtype), g)
-  return g
-
-
-def _zeros(params: Any) -> Any:
-  return jax.tree.map(jnp.zeros_like, params)
-
-
-def torch_sgd(learning_rate, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-              maximize=False, buffered=True) -> optax.GradientTransformation:
-  """``torch.optim.SGD``: L2 weight decay into the gradient, then momentum, then the step::
-
-    g = g + weight_decay * p
-    buf = g (first step) or momentum * buf + (1 - dampening) * g
-    g = g + momentum * buf (nesterov) or buf
-    p = p - lr * g
-
-  ``buffered`` (static) allocates the momentum buffers.
-  """
-
-  def init_fn(params):
-    return TorchSGDState(jnp.zeros([], jnp.int32), _zeros(params) if buffered else ())
-
-  def update_fn(grads, state, params=None):
-    _need_params(params, "SGD")
-    g_leaves, treedef = jax.tree.flatten(grads)
-    p_leaves = treedef.flatten_up_to(params)
-    b_leaves = treedef.flatten_up_to(state.momentum_buffer) if buffered else [None] * len(g_leaves)
-    first = state.count == 0
-    updates, buffers = [], []
-    for g, p, buf in zip(g_leaves, p_leaves, b_leaves):
-      g = _prepare_grad(g, p, weight_decay, maximize, True)
-      lr = _like(learning_rate, g)
-      if buffered:
-        m = _like(momentum, g)
-        moved = m * buf + (1 - _like(dampening, g)) * g
-        new_buf = jnp.where(m != 0, jnp.where(first, g, moved), buf)
-        direction = g + m * new_buf if nesterov else new_buf
-        g = jnp.where(m != 0, direction, g)
-        buffers.append(new_buf)
-      updates.append(-lr * g)
-    new_buffers = jax.tree.unflatten(treedef, buffers) if buffered else ()
-    return (jax.tree.unflatten(treedef, updates),
-            TorchSGDState(numerics.safe_increment(state.count), new_buffers))
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _bias_correction(complement, t):
-  """``1 - beta**t`` with ``beta = 1 - complement``, accurate in float32 (``-expm1(t log1p(-c))``)."""
-  return -jnp.expm1(t * jnp.log1p(-complement))
-
-
-def torch_adam(learning_rate, one_minus_b1, one_minus_b2, eps, weight_decay, amsgrad=False,
-               maximize=False, decoupled=False) -> optax.GradientTransformation:
-  """``torch.optim.Adam`` (``decoupled=False``) and ``torch.optim.AdamW`` (``decoupled=True``)::
-
-    g = g + weight_decay * p                      # Adam (L2 into the gradient)
-    p = p * (1 - lr * weight_decay)               # AdamW (decoupled), before the step
-    m = m + (1 - b1) * (g - m);  v = b2 * v + (1 - b2) * g * g
-    denom = sqrt(max(v_max, v) if amsgrad else v) / sqrt(1 - b2**t) + eps
-    p = p - lr / (1 - b1**t) * m / denom
-
-  The betas are held as ``1 - beta`` so that ``1 - 0.999`` is exactly the
-  float32 rounding of PyTorch's float64 value; the bias corrections are
-  computed as ``-expm1(t * log1p(-(1 - beta)))``, accurate in float32.
-  """
-
-  def init_fn(params):
-    return TorchAdamState(jnp.zeros([], jnp.int32), _zeros(params), _zeros(params),
-                          _zeros(params) if amsgrad else ())
-
-  def update_fn(grads, state, params=None):
-    _need_params(params, "AdamW" if decoupled else "Adam")
-    count = numerics.safe_increment(state.count)
-    t = count.astype(jnp.float32)
-    c1 = jnp.asarray(one_minus_b1, jnp.float32)
-    c2 = jnp.asarray(one_minus_b2, jnp.float32)
-    step_size = jnp.asarray(learning_rate, jnp.float32) / _bias_correction(c1, t)
-    bc2_sqrt = jnp.sqrt(_bias_correction(c2, t))
-    g_leaves, treedef = jax.tree.flatten(grads)
-    p_leaves = treedef.flatten_up_to(params)
-    m_leaves = treedef.flatten_up_to(state.exp_avg)
-    v_leaves = treedef.flatten_up_to(state.exp_avg_sq)
-    x_leaves = treedef.flatten_up_to(state.max_exp_avg_sq) if amsgrad else [None] * len(g_leaves)
-    outs = {"u": [], "m": [], "v": [], "x": []}
-    for g, p, m, v, vmax in zip(g_leaves, p_leaves, m_leaves, v_leaves, x_leaves):
-      g = _prepare_grad(g, p, weight_decay, maximize, not decoupled)
-      m = m + _like(c1, g) * (g - m)
-      v = v * (1 - _like(c2, g)) + (_like(c2, g) * g) * g
-      if amsgrad:
-        vmax = jnp.maximum(vmax, v)
-        outs["x"].append(vmax)
-        root = jnp.sqrt(vmax)
-      else:
-        root = jnp.sqrt(v)
-      denom = root / _like(bc2_sqrt, g) + _like(eps, g)
-      update = (-_like(step_size, g) * m) / denom
-      if decoupled:
-        lr = _like(learning_rate, g)
-        decayed = p.astype(g.dtype) * (1 - lr * _like(weight_decay, g))
-        update = (decayed + update) - p.astype(g.dtype)
-      outs["u"].append(update)
-      outs["m"].append(m)
-      outs["v"].append(v)
-    unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
-    return unflat(outs["u"]), TorchAdamState(count, unflat(outs["m"]), unflat(outs["v"]),
-                                             unflat(outs["x"]) if amsgrad else ())
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
-def torch_rmsprop(learning_rate, one_minus_alpha, eps, weight_decay, momentum, centered=False,
-                  maximize=False, buffered=False) -> optax.GradientTransformation:
-  """``torch.optim.RMSprop``: eps added *outside* the square root, ``alpha`` the decay::
-
-    g = g + weight_decay * p
-    sq = alpha * sq + (1 - alpha) * g * g
-    avg = sqrt(sq - ga * ga) (centered, ga = lerp(ga, g, 1 - alpha)) or sqrt(sq); avg += eps
-    buf = momentum * buf + g / avg; p -= lr * buf   (momentum > 0)
-    p -= lr * g / avg                                (otherwise)
-  """
-
-  def init_fn(params):
-    return TorchRMSpropState(jnp.zeros([], jnp.int32), _zeros(params),
-                             _zeros(params) if buffered else (), _zeros(params) if centered else ())
-
-  def update_fn(grads, state, params=None):
-    _need_params(params, "RMSprop")
-    g_leaves, treedef = jax.tree.flatten(grads)
-    n = len(g_leaves)
-    p_leaves = treedef.flatten_up_to(params)
-    s_leaves = treedef.flatten_up_to(state.square_avg)
-    b_leaves = treedef.flatten_up_to(state.momentum_buffer) if buffered else [None] * n
-    a_leaves = treedef.flatten_up_to(state.grad_avg) if centered else [None] * n
-    outs = {"u": [], "s": [], "b": [], "a": []}
-    for g, p, sq, buf, ga in zip(g_leaves, p_leaves, s_leaves, b_leaves, a_leaves):
-      g = _prepare_grad(g, p, weight_decay, maximize, True)
-      ca = _like(one_minus_alpha, g)
-      lr = _like(learning_rate, g)
-      sq = sq * (1 - ca) + (ca * g) * g
-      if centered:
-        ga = ga + ca * (g - ga)
-        outs["a"].append(ga)
-        avg = jnp.sqrt(sq - ga * ga)
-      else:
-        avg = jnp.sqrt(sq)
-      avg = avg + _like(eps, g)
-      plain = (-lr * g) / avg
-      if buffered:
-        m = _like(momentum, g)
-        new_buf = jnp.where(m > 0, buf * m + g / avg, buf)
-        outs["b"].append(new_buf)
-        plain = jnp.where(m > 0, -lr * new_buf, plain)
-      outs["u"].append(plain)
-      outs["s"].append(sq)
-    unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
-    return unflat(outs["u"]), TorchRMSpropState(
-        numerics.safe_increment(state.count), unflat(outs["s"]),
-        unflat(outs["b"]) if buffered else (), unflat(outs["a"]) if centered else ())
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
-def torch_adagrad(learning_rate, lr_decay, weight_decay, eps, initial_accumulator_value=0.0,
-                  maximize=False) -> optax.GradientTransformation:
-  """``torch.optim.Adagrad``::
-
-    g = g + weight_decay * p
-    clr = lr / (1 + (t - 1) * lr_decay)
-    sum += g * g                     # starts at initial_accumulator_value
-    p -= clr * g / (sqrt(sum) + eps)
-  """
-
-  def init_fn(params):
-    return TorchAdagradState(
-        jnp.zeros([], jnp.int32),
-        jax.tree.map(lambda p: jnp.full_like(p, initial_accumulator_value), params))
-
-  def update_fn(grads, state, params=None):
-    _need_params(params, "Adagrad")
-    count = numerics.safe_increment(state.count)
-    t = count.astype(jnp.float32)
-    clr = jnp.asarray(learning_rate, jnp.float32) / (
-        1 + (t - 1) * jnp.asarray(lr_decay, jnp.float32))
-    g_leaves, treedef = jax.tree.flatten(grads)
-    p_leaves = treedef.flatten_up_to(params)
-    s_leaves = treedef.flatten_up_to(state.state_sum)
-    updates, sums = [], []
-    for g, p, s in zip(g_leaves, p_leaves, s_leaves):
-      g = _prepare_grad(g, p, weight_decay, maximize, True)
-      s = s + g * g
-      std = jnp.sqrt(s) + _like(eps, g)
-      updates.append((-_like(clr, g) * g) / std)
-      sums.append(s)
-    return (jax.tree.unflatten(treedef, updates),
-            TorchAdagradState(count, jax.tree.unflatten(treedef, sums)))
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
-# -------------------------------------------------------------------------------------------------
-# Optimizer configs: PyTorch names and defaults, validation, the injected transformation.
-# -------------------------------------------------------------------------------------------------
-
-_IGNORED = ("foreach", "differentiable", "fused", "capturable")
-
-
-def _real(name: str, value: Any) -> float:
-  if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.generic)):
-    raise TypeError(f"{name} must be a real number, got {value!r}")
-  return float(value)
-
-
-def _flag(name: str, value: Any) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a bool, got {value!r}")
-  return bool(value)
-
-
-def _check_common(cfg: dict) -> None:
-  if not 0.0 <= cfg["lr"]:
-    raise ValueError(f"Invalid learning rate: {cfg['lr']}")
-  if "eps" in cfg and not 0.0 <= cfg["eps"]:
-    raise ValueError(f"Invalid epsilon value: {cfg['eps']}")
-  if "momentum" in cfg and not 0.0 <= cfg["momentum"]:
-    raise ValueError(f"Invalid momentum value: {cfg['momentum']}")
-  if not 0.0 <= cfg["weight_decay"]:
-    raise ValueError(f"Invalid weight_decay value: {cfg['weight_decay']}")
-
-
-def _check_sgd(cfg: dict) -> None:
-  _check_common(cfg)
-  if cfg["nesterov"] and (cfg["momentum"] <= 0 or cfg["dampening"] != 0):
-    raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-
-
-def _check_adam(cfg: dict) -> None:
-  _check_common(cfg)
-  for i, beta in enumerate(cfg["betas"]):
-    if not 0.0 <= beta < 1.0:
-      raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
-
-
-def _check_rmsprop(cfg: dict) -> None:
-  _check_common(cfg)
-  if not 0.0 <= cfg["alpha"]:
-    raise ValueError(f"Invalid alpha value: {cfg['alpha']}")
-
-
-def _check_adagrad(cfg: dict) -> None:
-  _check_common(cfg)
-  if not 0.0 <= cfg["lr_decay"]:
-    raise ValueError(f"Invalid lr_decay value: {cfg['lr_decay']}")
-  if not 0.0 <= cfg["initial_accumulator_value"]:
-    raise ValueError("Invalid initial_accumulator_value value: "
-                     f"{cfg['initial_accumulator_value']}")
-
-
-def _betas(value: Any) -> Tuple[float, float]:
-  if not isinstance(value, (tuple, list)) or len(value) != 2:
-    raise TypeError(f"betas must be a pair of numbers, got {value!r}")
-  return (_real("betas[0]", value[0]), _real("betas[1]", value[1]))
+from jaxamp._src import validation
+from jaxamp._src.facade.errors import AssertionValueError
+from jaxamp._src.facade.mmengine import trees
+from jaxamp._src.facade.mmengine.amp_optim_wrapper import AmpOptimWrapper
+from jaxamp._src.facade.mmengine.hyperparams import GroupSpec
+from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
+from jaxamp._src.facade.mmengine.optim_wrapper import describe_groups
+from jaxamp._src.facade.mmengine.optim_wrapper import install_group_specs
+from jaxamp._src.facade.mmengine.optim_wrapper_dict import OptimWrapperDict
+from jaxamp._src.facade.torch_optimizers import TORCH_OPTIMIZERS
+from jaxamp._src.facade.torch_optimizers import TorchOptimizer
 
 
 @dataclasses.dataclass(frozen=True)
-class _TorchOptimizer:
-  """One PyTorch optimizer: its defaults, fixed (code-selecting) keys, checks and factory."""
+class OptaxFactory:
+  """An optax factory (``optax.adamw``...) given as the ``type`` of an optimizer config.
 
-  name: str
-  defaults: Dict[str, Any]
-  fixed: Tuple[str, ...]
-  check: Callable[[dict], None]
-  build: Callable[[dict], optax.GradientTransformation]
-  codecs: Callable[[dict], Dict[str, mmengine.HyperparamCodec]]
-
-  @property
-  def accepted(self) -> List[str]:
-    return sorted(list(self.defaults) + list(_IGNORED))
-
-  def resolve(self, cfg: Mapping[str, Any]) -> dict:
-    """PyTorch's defaults updated with ``cfg``, type-checked and range-checked."""
-    out = dict(self.defaults)
-    for key, value in cfg.items():
-      if key in _IGNORED:
-        continue
-      if key not in self.defaults:
-        raise TypeError(f"{self.name}.__init__() got an unexpected keyword argument '{key}'; "
-                        f"accepted: {self.accepted}")
-      out[key] = value
-    for key, value in out.items():
-      if key == "betas":
-        out[key] = _betas(value)
-      elif key in self.fixed:
-        out[key] = (_real(key, value) if key == "initial_accumulator_value"
-                    else _flag(key, value))
-      else:
-        out[key] = _real(key, value)
-    self.check(out)
-    return out
-
-
-def _sgd_build(c: dict) -> optax.GradientTransformation:
-  return optax.inject_hyperparams(torch_sgd, hyperparam_dtype=jnp.float32)(
-      learning_rate=c["lr"], momentum=c["momentum"], dampening=c["dampening"],
-      weight_decay=c["weight_decay"], nesterov=c["nesterov"], maximize=c["maximize"],
-      buffered=c["momentum"] != 0)
-
-
-def _sgd_codecs(c: dict) -> Dict[str, mmengine.HyperparamCodec]:
-  codecs = {"lr": mmengine._identity_codec("learning_rate"),  # pylint: disable=protected-access
-            "dampening": mmengine._identity_codec("dampening"),  # pylint: disable=protected-access
-            "weight_decay": mmengine._identity_codec("weight_decay")}  # pylint: disable=protected-access
-  if c["momentum"] != 0:
-    codecs["momentum"] = mmengine._identity_codec("momentum")  # pylint: disable=protected-access
-  return codecs
-
-
-def _adam_build(decoupled: bool) -> Callable[[dict], optax.GradientTransformation]:
-  def build(c: dict) -> optax.GradientTransformation:
-    return optax.inject_hyperparams(torch_adam, hyperparam_dtype=jnp.float32)(
-        learning_rate=c["lr"], one_minus_b1=1.0 - c["betas"][0], one_minus_b2=1.0 - c["betas"][1],
-        eps=c["eps"], weight_decay=c["weight_decay"], amsgrad=c["amsgrad"],
-        maximize=c["maximize"], decoupled=decoupled or c.get("decoupled_weight_decay", False))
-
-  return build
-
-
-def _adam_codecs(c: dict) -> Dict[str, mmengine.HyperparamCodec]:
-  del c
-  return {"lr": mmengine._identity_codec("learning_rate"),  # pylint: disable=protected-access
-          "betas": mmengine._pair_codec(  # pylint: disable=protected-access
-              "betas", ("one_minus_b1", "one_minus_b2"), complement=True),
-          "eps": mmengine._identity_codec("eps"),  # pylint: disable=protected-access
-          "weight_decay": mmengine._identity_codec("weight_decay")}  # pylint: disable=protected-access
-
-
-def _rmsprop_build(c: dict) -> optax.GradientTransformation:
-  return optax.inject_hyperparams(torch_rmsprop, hyperparam_dtype=jnp.float32)(
-      learning_rate=c["lr"], one_minus_alpha=1.0 - c["alpha"], eps=c["eps"],
-      weight_decay=c["weight_decay"], momentum=c["momentum"], centered=c["centered"],
-      maximize=c["maximize"], buffered=c["momentum"] > 0)
-
-
-def _rmsprop_codecs(c: dict) -> Dict[str, mmengine.HyperparamCodec]:
-  codecs = {"lr": mmengine._identity_codec("learning_rate"),  # pylint: disable=protected-access
-            "alpha": mmengine._complement_codec("one_minus_alpha", "alpha"),  # pylint: disable=protected-access
-            "eps": mmengine._identity_codec("eps"),  # pylint: disable=protected-access
-            "weight_decay": mmengine._identity_codec("weight_decay")}  # pylint: disable=protected-access
-  if c["momentum"] > 0:
-    codecs["momentum"] = mmengine._identity_codec("momentum")  # pylint: disable=protected-access
-  return codecs
-
-
-def _adagrad_build(c: dict) -> optax.GradientTransformation:
-  return optax.inject_hyperparams(torch_adagrad, static_args=("initial_accumulator_value",),
-                                  hyperparam_dtype=jnp.float32)(
-      learning_rate=c["lr"], lr_decay=c["lr_decay"], weight_decay=c["weight_decay"],
-      eps=c["eps"], initial_accumulator_value=c["initial_accumulator_value"],
-      maximize=c["maximize"])
-
-
-def _adagrad_codecs(c: dict) -> Dict[str, mmengine.HyperparamCodec]:
-  del c
-  return {"lr": mmengine._identity_codec("learning_rate"),  # pylint: disable=protected-access
-          "lr_decay": mmengine._identity_codec("lr_decay"),  # pylint: disable=protected-access
-          "weight_decay": mmengine._identity_codec("weight_decay"),  # pylint: disable=protected-access
-          "eps": mmengine._identity_codec("eps")}  # pylint: disable=protected-access
-
-
-_ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
-                      maximize=False)
-
-TORCH_OPTIMIZERS: Dict[str, _TorchOptimizer] = {
-    "SGD": _TorchOptimizer(
-        "SGD", dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-                    maximize=False),
-        ("nesterov", "maximize"), _check_sgd, _sgd_build, _sgd_codecs),
-    "Adam": _TorchOptimizer(
-        "Adam", dict(_ADAM_DEFAULTS, decoupled_weight_decay=False),
-        ("amsgrad", "maximize", "decoupled_weight_decay"), _check_adam, _adam_build(False),
-        _adam_codecs),
-    "AdamW": _TorchOptimizer(
-        "AdamW", dict(_ADAM_DEFAULTS, weight_decay=1e-2), ("amsgrad", "maximize"), _check_adam,
-        _adam_build(True), _adam_codecs),
-    "RMSprop": _TorchOptimizer(
-        "RMSprop", dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
-                        centered=False, maximize=False),
-        ("centered", "maximize"), _check_rmsprop, _rmsprop_build, _rmsprop_codecs),
-    "Adagrad": _TorchOptimizer(
-        "Adagrad", dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
-                        eps=1e-10, maximize=False),
-        ("initial_accumulator_value", "maximize"), _check_adagrad, _adagrad_build,
-        _adagrad_codecs),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _OptaxFactory:
-  """An optax factory (``optax.adamw``...) given as the ``type`` of an optimizer config."""
+  Its keyword arguments keep their optax names (``learning_rate``); they are
+  passed as they are, and the factory checks them.
+  """
 
   factory: Callable[..., optax.GradientTransformation]
 
   @property
   def name(self) -> str:
+    """The factory's name, for messages."""
     return getattr(self.factory, "__name__", repr(self.factory))
 
   def resolve(self, cfg: Mapping[str, Any]) -> dict:
+    """The config as given (the factory validates it when called)."""
     return dict(cfg)
 
   def build(self, c: dict) -> optax.GradientTransformation:
+    """``optax.inject_hyperparams(factory)(**c)``."""
     return optax.inject_hyperparams(self.factory)(**c)
+
 
 
 # -------------------------------------------------------------------------------------------------
@@ -540,7 +108,7 @@ def _check_paramwise(paramwise: Any, base_wd: Optional[float], hp_keys: Sequence
   for key in ("bias_lr_mult", "bias_decay_mult", "norm_decay_mult", "dwconv_decay_mult",
               "flat_decay_mult", "dcn_offset_lr_mult"):
     if paramwise.get(key) is not None:
-      _real(key, paramwise[key])
+      validation.check_real(key, paramwise[key])
   return paramwise
 
 
@@ -564,7 +132,7 @@ def paramwise_groups(params: Any, paramwise: dict, base_lr: Optional[float],
   modules: Dict[str, List[Tuple[str, Tuple[int, ...]]]] = {}
   infos = []
   for path, leaf in paths:
-    parts = mmengine.path_parts(path)
+    parts = trees.path_parts(path)
     name, prefix = parts[-1], ".".join(parts[:-1])
     shape = tuple(jnp.shape(leaf))
     modules.setdefault(prefix, []).append((name, shape))
@@ -627,11 +195,11 @@ _META_KEYS = ("type", "optimizer", "paramwise_cfg", "constructor")
 def _wrapper_class(kind: Any) -> type:
   if isinstance(kind, str):
     if kind == "OptimWrapper":
-      return mmengine.OptimWrapper
+      return OptimWrapper
     if kind == "AmpOptimWrapper":
-      return mmengine.AmpOptimWrapper
-  elif (isinstance(kind, type) and issubclass(kind, mmengine.OptimWrapper)
-        and not issubclass(kind, mmengine.OptimWrapperDict)):
+      return AmpOptimWrapper
+  elif (isinstance(kind, type) and issubclass(kind, OptimWrapper)
+        and not issubclass(kind, OptimWrapperDict)):
     return kind
   raise ValueError(f"Unknown optim wrapper type {kind!r}; accepted: {sorted(_WRAPPER_KEYS)} "
                    "or a subclass of jaxamp.OptimWrapper")
@@ -648,7 +216,7 @@ def _optimizer_kind(optimizer_cfg: Mapping[str, Any]) -> Any:
                        "or an optax factory such as optax.adamw")
     return TORCH_OPTIMIZERS[kind]
   if callable(kind):
-    return _OptaxFactory(kind)
+    return OptaxFactory(kind)
   raise ValueError(f"Unknown optimizer type {kind!r}; accepted: {sorted(TORCH_OPTIMIZERS)} or "
                    "an optax factory such as optax.adamw")
 
@@ -664,22 +232,23 @@ def _build_optimizer(params: Any, optimizer_cfg: Mapping[str, Any], paramwise_cf
   if "params" in cfg:
     raise ValueError("The optimizer config must not contain 'params': the parameters are the "
                      "first argument of build_optim_wrapper")
-  torch_like = isinstance(kind, _TorchOptimizer)
+  torch_like = isinstance(kind, TorchOptimizer)
   lr_key, wd_key = ("lr", "weight_decay") if torch_like else ("learning_rate", "weight_decay")
   base = kind.resolve(cfg)
   base_lr = base.get(lr_key)
   base_wd = cfg.get(wd_key)  # mmengine: only an explicit weight_decay enables the decay rules
   hp_keys = list(kind.defaults) if torch_like else list(cfg)
-  paramwise = _check_paramwise(paramwise_cfg, None if base_wd is None else _real(wd_key, base_wd),
-                               hp_keys)
+  paramwise = _check_paramwise(
+      paramwise_cfg, None if base_wd is None else validation.check_real(wd_key, base_wd), hp_keys)
   if paramwise:
     overrides, labels = paramwise_groups(
         params, paramwise, None if base_lr is None else float(base_lr),
         None if base_wd is None else float(base_wd), lr_key, wd_key)
   else:
     overrides, labels = [{}], [0] * len(jax.tree.leaves(params))
-  names = mmengine.param_names(params)
-  transforms, specs = [], []
+  names = trees.param_names(params)
+  transforms: List[optax.GradientTransformation] = []
+  specs: List[Any] = []  # GroupSpec (torch_like), else (names, extras, config)
   for index, override in enumerate(overrides):
     hp = {k: v for k, v in override.items() if k not in ("lr_mult", "decay_mult")}
     extras = {k: v for k, v in override.items() if k in ("lr_mult", "decay_mult")}
@@ -690,7 +259,7 @@ def _build_optimizer(params: Any, optimizer_cfg: Mapping[str, Any], paramwise_cf
       codecs = kind.codecs(group_cfg)
       fixed = {k: group_cfg[k] for k in kind.defaults if k not in codecs}
       mirror = {k: group_cfg[k] for k in codecs}
-      specs.append(mmengine.GroupSpec(group_names, codecs, fixed, extras, mirror))
+      specs.append(GroupSpec(group_names, codecs, fixed, extras, mirror))
     else:
       specs.append((group_names, extras, group_cfg))
   if len(transforms) == 1:
@@ -705,7 +274,7 @@ def _build_optimizer(params: Any, optimizer_cfg: Mapping[str, Any], paramwise_cf
   return tx, specs, defaults, torch_like
 
 
-def build_optim_wrapper(params: Any, cfg: Mapping[str, Any]) -> mmengine.OptimWrapper:
+def build_optim_wrapper(params: Any, cfg: Mapping[str, Any]) -> OptimWrapper:
   """Builds an :class:`OptimWrapper`/:class:`AmpOptimWrapper` from an mmengine-style config.
 
   ::
@@ -825,31 +394,26 @@ def build_optim_wrapper(params: Any, cfg: Mapping[str, Any]) -> mmengine.OptimWr
     raise ValueError(f"Unknown constructor {constructor!r}; accepted: "
                      "['DefaultOptimWrapperConstructor']")
   if "optimizer" not in cfg:
-    raise mmengine._AssertionValueError(  # pylint: disable=protected-access
-        '`optim_wrapper_cfg` must contain "optimizer" config')
+    raise AssertionValueError('`optim_wrapper_cfg` must contain "optimizer" config')
   optimizer_cfg = cfg.pop("optimizer")
   paramwise_cfg = cfg.pop("paramwise_cfg", None)
   wrapper_cls = _wrapper_class(cfg.pop("type", "OptimWrapper"))
-  accepted = (_WRAPPER_KEYS["AmpOptimWrapper"] if issubclass(wrapper_cls, mmengine.AmpOptimWrapper)
+  accepted = (_WRAPPER_KEYS["AmpOptimWrapper"] if issubclass(wrapper_cls, AmpOptimWrapper)
               else _WRAPPER_KEYS["OptimWrapper"])
   unknown = sorted(set(cfg) - set(accepted))
   if unknown:
     raise TypeError(f"{wrapper_cls.__name__} got unexpected config keys {unknown}; accepted: "
                     f"{sorted(accepted)} and {list(_META_KEYS)}")
-  if callable(getattr(optimizer_cfg, "init", None)) and callable(
-      getattr(optimizer_cfg, "update", None)):
+  if validation.is_gradient_transformation(optimizer_cfg):
     if paramwise_cfg:
       raise ValueError("paramwise_cfg needs the optimizer as a config dict (each group is built "
                        "with its own hyperparameters), got an optax transformation")
     return wrapper_cls(optimizer_cfg, params, **cfg)
-  params = mmengine._check_params(params)  # pylint: disable=protected-access
+  params = trees.check_params(params)
   tx, specs, defaults, torch_like = _build_optimizer(params, optimizer_cfg, paramwise_cfg)
   wrapper = wrapper_cls(tx, params, **cfg)
   if torch_like:
-    wrapper._set_group_specs(specs, defaults)  # pylint: disable=protected-access
+    install_group_specs(wrapper, specs, defaults)
   else:
-    generic = wrapper._group_specs()  # pylint: disable=protected-access
-    for spec, (names, extras, _) in zip(generic, specs):
-      spec.names = names
-      spec.extras.update(extras)
+    describe_groups(wrapper, [(names, extras) for names, extras, _ in specs])
   return wrapper

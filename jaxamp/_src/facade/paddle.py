@@ -1,23 +1,25 @@
 """``jaxamp.paddle.GradScaler``: Paddle's ``paddle.amp.GradScaler`` for JAX training loops.
 
-It steps the same optimizer holders as :class:`jaxamp.GradScaler` (see
-:mod:`jaxamp._src.facade.torch` for the protocol) and drives the same device
-state with the same jitted core functions, with Paddle's hysteresis
+It steps the same optimizer holders as :class:`jaxamp.GradScaler` and shares
+its state, stage bookkeeping and jitted steps (see
+:mod:`jaxamp._src.facade.scaler_core`), with Paddle's hysteresis
 (``decr_every_n_nan_or_inf``) as ``ScaleRule(hysteresis=...)``.
 """
 
 from __future__ import annotations
 
-import collections
-import numbers
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src import loss_scale
-from jaxamp._src.facade import torch as _torch
+from jaxamp._src import validation
+from jaxamp._src.facade import scaler_core as core
+from jaxamp._src.facade.errors import AssertionValueError
+from jaxamp._src.facade.scaled_loss import ScaledLoss
+from jaxamp._src.facade.scaled_loss import times_scale
 
 
 class GradScaler:
@@ -116,10 +118,8 @@ class GradScaler:
                incr_ratio: float = 2.0, decr_ratio: float = 0.5,
                incr_every_n_steps: int = 1000, decr_every_n_nan_or_inf: int = 2,
                use_dynamic_loss_scaling: bool = True) -> None:
-    for name, flag in (("enable", enable), ("use_dynamic_loss_scaling", use_dynamic_loss_scaling)):
-      if not isinstance(flag, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {flag!r}")
-    self._enable = bool(enable)
+    self._enable = validation.check_bool("enable", enable)
+    validation.check_bool("use_dynamic_loss_scaling", use_dynamic_loss_scaling)
     self._use_dynamic_loss_scaling = False
     self._init_loss_scaling: Any = 1.0
     self._incr_ratio = incr_ratio
@@ -128,27 +128,26 @@ class GradScaler:
     self._decr_every_n_nan_or_inf = decr_every_n_nan_or_inf
     self._rule: Optional[loss_scale.ScaleRule] = None
     if self._enable:
-      _torch.check_factor_types(incr_ratio=incr_ratio, decr_ratio=decr_ratio)
+      core.check_factor_types(incr_ratio=incr_ratio, decr_ratio=decr_ratio)
       if incr_ratio <= 1.0:
-        raise _torch.MimicError("The incr_ratio must be > 1.0.")
+        raise AssertionValueError("The incr_ratio must be > 1.0.")
       if decr_ratio >= 1.0:
-        raise _torch.MimicError("The decr_ratio must be < 1.0.")
+        raise AssertionValueError("The decr_ratio must be < 1.0.")
       self._rule = self._make_rule()
-      loss_scale.check_scale("init_loss_scaling", init_loss_scaling, self._rule.min_scale,
+      validation.check_scale("init_loss_scaling", init_loss_scaling, self._rule.min_scale,
                              self._rule.max_scale)
       self._init_loss_scaling = init_loss_scaling
       self._use_dynamic_loss_scaling = bool(use_dynamic_loss_scaling)
-    self._state = _torch.make_state(self._init_loss_scaling)
-    self._optimizer_states: collections.defaultdict[int, _torch.OptimizerRecord] = (
-        collections.defaultdict(_torch.OptimizerRecord))
+    self._state = core.make_state(self._init_loss_scaling)
+    self._stages = core.StageBook()
     # Flags of the steps since the last update, and the flag the last update used.
     self._pending: list[jax.Array] = []
     self._last_found_inf = jnp.zeros([], jnp.bool_)
 
   def _make_rule(self, **changes: Any) -> loss_scale.ScaleRule:
-    values = dict(growth_factor=self._incr_ratio, backoff_factor=self._decr_ratio,
-                  growth_interval=self._incr_every_n_steps,
-                  hysteresis=self._decr_every_n_nan_or_inf)
+    values: dict[str, Any] = dict(
+        growth_factor=self._incr_ratio, backoff_factor=self._decr_ratio,
+        growth_interval=self._incr_every_n_steps, hysteresis=self._decr_every_n_nan_or_inf)
     values.update(changes)
     return loss_scale.make_rule(**values)
 
@@ -159,7 +158,7 @@ class GradScaler:
             f"use_dynamic_loss_scaling={self._use_dynamic_loss_scaling})")
 
   @property
-  def state(self) -> _torch.ScalerState:
+  def state(self) -> core.ScalerState:
     """The device state: ``scale``, ``growth_tracker`` (incr_count), ``overflow_count`` (decr_count)."""
     return self._state
 
@@ -185,14 +184,14 @@ class GradScaler:
     Raises:
       TypeError: for anything else.
     """
-    if not (_torch.is_array(var) or callable(var)):
+    if not (core.is_array(var) or callable(var)):
       raise TypeError(f"The type of 'var' in GradScaler.scale() must be (<class 'jax.Array'>, "
                       f"a loss function), but received {type(var)}. ")
     if not self._enable:
       return var
-    if _torch.is_array(var):
-      return _torch.times_scale(var, self._state.scale)
-    return _torch.ScaledLoss(var, self, bool(has_aux))
+    if core.is_array(var):
+      return times_scale(var, self._state.scale)
+    return ScaledLoss(var, self, bool(has_aux))
 
   # -- unscale / step / update ------------------------------------------------------------------
 
@@ -209,25 +208,14 @@ class GradScaler:
     """
     if not self._enable:
       return
-    record = self._optimizer_states[id(optimizer)]
-    if record.stage is _torch.OptState.UNSCALED:
-      raise RuntimeError(
-          "unscale_() has already been called on this optimizer since the last update().")
-    if record.stage is _torch.OptState.STEPPED:
-      raise RuntimeError("unscale_() is being called after step().")
-    grads = optimizer.grads
-    if grads is not None and jax.tree.leaves(grads):
-      unscaled, found_inf = _torch.unscale_and_check(grads, self._state.scale,
-                                                     donate=_torch.holder_donates(optimizer))
-      optimizer.grads = unscaled
-    else:
-      found_inf = jnp.zeros([], jnp.bool_)
-    record.found_inf = found_inf
-    record.stage = _torch.OptState.UNSCALED
+    record = self._stages.check_unscale(optimizer)
+    found_inf = core.unscale_grads(optimizer, self._state.scale, allow_float16=True)
+    record.found_inf = jnp.zeros([], jnp.bool_) if found_inf is None else found_inf
+    record.stage = core.OptState.UNSCALED
 
-  def _apply(self, optimizer: Any, record: _torch.OptimizerRecord) -> None:
-    if record.stage is _torch.OptState.READY:
-      found_inf = _torch.fused_step(optimizer, self._state.scale, allow_float16=True)
+  def _apply(self, optimizer: Any, record: core.OptimizerRecord) -> None:
+    if record.stage is core.OptState.READY:
+      found_inf = core.fused_step(optimizer, self._state.scale, allow_float16=True)
       if found_inf is not None:
         record.found_inf = found_inf
         self._pending.append(found_inf)
@@ -235,7 +223,7 @@ class GradScaler:
       self.unscale_(optimizer)
     if optimizer.grads is not None:  # without gradients Paddle's step changes nothing
       optimizer.apply_gradients(skip=record.found_inf)
-    self._pending.append(record.found_inf)
+    self._pending.append(cast(jax.Array, record.found_inf))  # set by unscale_ above
 
   def step(self, optimizer: Any) -> None:
     """Unscales (unless :meth:`unscale_` did) and applies the gradients unless one is inf/nan.
@@ -250,22 +238,20 @@ class GradScaler:
     if not self._enable:
       optimizer.apply_gradients()
       return None
-    record = self._optimizer_states[id(optimizer)]
-    if record.stage is _torch.OptState.STEPPED:
-      raise RuntimeError("step() has already been called since the last update().")
+    record = self._stages.check_step(optimizer)
     self._apply(optimizer, record)
-    record.stage = _torch.OptState.STEPPED
+    record.stage = core.OptState.STEPPED
     if not self._use_dynamic_loss_scaling:
       self._reset()
     return None
 
   def _reset(self) -> None:
-    self._optimizer_states = collections.defaultdict(_torch.OptimizerRecord)
+    self._stages.reset()
 
   def _update(self) -> None:
     flags = tuple(self._pending) if self._pending else (self._last_found_inf,)
     rule = self._rule if self._rule is not None else self._make_rule()
-    self._state, self._last_found_inf = _torch.update_fn(rule)(self._state, flags)
+    self._state, self._last_found_inf = core.update_fn(rule)(self._state, flags)
     self._pending = []
 
   def update(self) -> None:
@@ -294,7 +280,7 @@ class GradScaler:
     if not self._enable:
       optimizer.apply_gradients()
       return None
-    self._apply(optimizer, self._optimizer_states[id(optimizer)])
+    self._apply(optimizer, self._stages.record(optimizer))
     if self._use_dynamic_loss_scaling:
       self._update()
     self._reset()
@@ -317,7 +303,7 @@ class GradScaler:
   def set_init_loss_scaling(self, new_init_loss_scaling: float) -> None:
     """Sets the initial loss scaling and resets the current scale to it (counters kept)."""
     rule = self._rule or loss_scale.ScaleRule()
-    loss_scale.check_scale("new_init_loss_scaling", new_init_loss_scaling, rule.min_scale,
+    validation.check_scale("new_init_loss_scaling", new_init_loss_scaling, rule.min_scale,
                            rule.max_scale)
     self._init_loss_scaling = new_init_loss_scaling
     self._state = self._state._replace(scale=jnp.asarray(new_init_loss_scaling, jnp.float32))
@@ -328,9 +314,9 @@ class GradScaler:
 
   def set_incr_ratio(self, new_incr_ratio: float) -> None:
     """Sets the increase multiplier (> 1)."""
-    _torch.check_factor_types(new_incr_ratio=new_incr_ratio)
+    core.check_factor_types(new_incr_ratio=new_incr_ratio)
     if new_incr_ratio <= 1.0:
-      raise _torch.MimicError("The new_incr_ratio must be > 1.0.")
+      raise AssertionValueError("The new_incr_ratio must be > 1.0.")
     if self._enable:
       self._rule = self._make_rule(growth_factor=new_incr_ratio)
     self._incr_ratio = new_incr_ratio
@@ -341,9 +327,9 @@ class GradScaler:
 
   def set_decr_ratio(self, new_decr_ratio: float) -> None:
     """Sets the decrease multiplier (< 1)."""
-    _torch.check_factor_types(new_decr_ratio=new_decr_ratio)
+    core.check_factor_types(new_decr_ratio=new_decr_ratio)
     if new_decr_ratio >= 1.0:
-      raise _torch.MimicError("The new_decr_ratio must be < 1.0.")
+      raise AssertionValueError("The new_decr_ratio must be < 1.0.")
     if self._enable:
       self._rule = self._make_rule(backoff_factor=new_decr_ratio)
     self._decr_ratio = new_decr_ratio
@@ -403,20 +389,19 @@ class GradScaler:
     """
     if not self._enable:
       return
-    if len(state_dict) == 0:
-      raise RuntimeError("The input state dict is empty, possibly because it was saved "
-                         "from a disabled instance of GradScaler.")
+    core.require_nonempty(state_dict, "The input state dict is empty, possibly because it was "
+                          "saved from a disabled instance of GradScaler.")
     scale = state_dict["scale"]
-    if _torch.is_array(scale) or isinstance(scale, (list, tuple)):
+    if core.is_array(scale) or isinstance(scale, (list, tuple)):
       scale = np.asarray(scale).reshape(-1)[0]
     rule = loss_scale.make_rule(growth_factor=state_dict["incr_ratio"],
                                 backoff_factor=state_dict["decr_ratio"],
                                 growth_interval=state_dict["incr_every_n_steps"],
                                 hysteresis=state_dict["decr_every_n_nan_or_inf"])
-    loss_scale.check_scale("scale", _torch.as_float("scale", scale), rule.min_scale,
+    validation.check_scale("scale", core.as_float("scale", scale), rule.min_scale,
                            rule.max_scale)
-    incr_count = _torch.as_count("incr_count", state_dict["incr_count"])
-    decr_count = _torch.as_count("decr_count", state_dict["decr_count"])
+    incr_count = core.as_count("incr_count", state_dict["incr_count"])
+    decr_count = core.as_count("decr_count", state_dict["decr_count"])
     dynamic = state_dict["use_dynamic_loss_scaling"]
     self._rule = rule
     self._init_loss_scaling = scale
@@ -425,4 +410,4 @@ class GradScaler:
     self._incr_every_n_steps = state_dict["incr_every_n_steps"]
     self._decr_every_n_nan_or_inf = state_dict["decr_every_n_nan_or_inf"]
     self._use_dynamic_loss_scaling = bool(dynamic)
-    self._state = _torch.make_state(_torch.as_float("scale", scale), incr_count, decr_count)
+    self._state = core.make_state(core.as_float("scale", scale), incr_count, decr_count)

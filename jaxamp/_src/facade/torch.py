@@ -1,288 +1,31 @@
 """``jaxamp.GradScaler``: PyTorch's ``torch.amp.GradScaler`` for JAX training loops.
 
-The scaler holds a small pytree of device arrays (:class:`ScalerState`) and
-drives it with jitted functions of the functional core
-(:meth:`jaxamp._src.loss_scale.ScaleRule.adjust`, :func:`jaxamp._src.numerics.unscale`,
-:func:`jaxamp.all_finite`). It steps an *optimizer holder*: ``jaxamp.OptimWrapper``
-or any object with the same protocol,
-
-* ``params``, ``opt_state``: the parameters and optax state (read only here);
-* ``grads``: the accumulated gradients, readable and settable (``None`` or a
-  pytree shaped like ``params``);
-* ``backward(loss_fn, *args, has_aux=False, **kwargs)``: adds the gradients
-  of ``loss_fn(params, *args, **kwargs)`` into ``grads``. ``loss_fn`` is
-  passed to ``jit`` as a pytree, so a pytree callable such as the one
-  :meth:`GradScaler.scale` returns does not retrace when only its array leaves
-  (the scale) change;
-* ``apply_gradients(grads=None, *, skip=None)``: one jitted call that clips (per
-  the holder's configuration), runs the optax update and applies it. When
-  ``skip`` (a device boolean scalar) is true, ``params`` and ``opt_state`` stay
-  bit-identical, without a host sync;
-* optionally ``apply_scaled_gradients(scale)``: unscale, check and apply in one
-  jitted call, returning ``found_inf``; ``step`` uses it when ``unscale_`` was
-  not called (see :func:`fused_step`).
-
-PyTorch's ``scaler.scale(loss).backward()`` is spelled
-``opt.backward(scaler.scale(loss_fn), batch)``.
+The scaler steps an *optimizer holder*: ``jaxamp.OptimWrapper`` or any object
+with the protocol described in :mod:`jaxamp._src.facade.scaler_core`, which
+also holds the state, the stage bookkeeping and the jitted steps this facade
+shares with the Paddle one. PyTorch's ``scaler.scale(loss).backward()`` is
+spelled ``opt.backward(scaler.scale(loss_fn), batch)``.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import enum
-import functools
 import numbers
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src import loss_scale
-from jaxamp._src import numerics
-
-
-class ScalerState(NamedTuple):
-  """The device state of a scaler facade.
-
-  Attributes:
-    scale: float32 scalar, the loss scale.
-    growth_tracker: int32, consecutive finite iterations since the scale last
-      changed (PyTorch's ``_growth_tracker``, Paddle's ``incr_count``).
-    overflow_count: int32, consecutive non-finite iterations not yet acted on
-      (Paddle's ``decr_count``; always 0 for PyTorch's rule).
-  """
-
-  scale: jax.Array
-  growth_tracker: jax.Array
-  overflow_count: jax.Array
-
-
-def make_state(scale: Any, growth_tracker: Any = 0, overflow_count: Any = 0) -> ScalerState:
-  """Builds a :class:`ScalerState` with explicit dtypes."""
-  return ScalerState(jnp.asarray(scale, jnp.float32), jnp.asarray(growth_tracker, jnp.int32),
-                     jnp.asarray(overflow_count, jnp.int32))
-
-
-class OptState(enum.Enum):
-  """Per-optimizer stage within one iteration (PyTorch's names)."""
-
-  READY = 0
-  UNSCALED = 1
-  STEPPED = 2
-
-
-@dataclasses.dataclass
-class OptimizerRecord:
-  """What the scaler knows about one optimizer since the last ``update()``."""
-
-  stage: OptState = OptState.READY
-  found_inf: Optional[jax.Array] = None
-
-
-class MimicError(ValueError, AssertionError):
-  """A bad argument, raised where PyTorch/Paddle raise ``AssertionError``.
-
-  Catchable both as ``ValueError`` (the usual Python type for a bad value) and
-  as ``AssertionError`` (what the original raises), with the original's message.
-  """
-
-
-class NewScaleError(TypeError, AttributeError, AssertionError):
-  """A ``new_scale`` of a type :meth:`GradScaler.update` does not accept.
-
-  PyTorch fails on such a value with ``AssertionError`` (a tensor of the wrong
-  size) or ``AttributeError`` (not a tensor); this is both, and a ``TypeError``.
-  """
-
+from jaxamp._src import validation
+from jaxamp._src.facade import scaler_core as core
+from jaxamp._src.facade.errors import AssertionValueError
+from jaxamp._src.facade.errors import NewScaleError
+from jaxamp._src.facade.scaled_loss import ScaledLoss
+from jaxamp._src.facade.scaled_loss import times_scale
 
 _NEW_SCALE_REASON = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                      "torch.FloatTensor with requires_grad=False.")
-
-
-# ---------------------------------------------------------------------------------------------
-# Jitted building blocks, shared with the Paddle facade.
-
-
-@jax.jit
-def _unscale_and_check(grads: Any, scale: jax.Array) -> tuple[Any, jax.Array]:
-  unscaled = numerics.unscale(grads, scale)
-  return unscaled, jnp.logical_not(numerics.all_finite(unscaled))
-
-
-_unscale_and_check_donated = jax.jit(_unscale_and_check.__wrapped__, donate_argnums=(0,))
-
-
-def unscale_and_check(grads: Any, scale: jax.Array, *,
-                      donate: bool = False) -> tuple[Any, jax.Array]:
-  """Returns ``(grads / scale, found_inf)`` from one jitted call (no host sync).
-
-  ``found_inf`` is checked on the unscaled gradients: an inf or nan stays
-  one, and a finite value that the division overflows (possible only with a
-  scale below 1) is caught too, where PyTorch would step on it. With
-  ``donate=True`` the buffers of ``grads`` are donated (unscaled in place;
-  ``grads`` is deleted).
-  """
-  if donate:
-    return _unscale_and_check_donated(grads, scale)
-  return _unscale_and_check(grads, scale)
-
-
-def fused_step(optimizer: Any, scale: jax.Array, *, allow_float16: bool) -> Optional[jax.Array]:
-  """Unscales, checks and applies ``optimizer.grads`` in one call, where the holder can.
-
-  A holder with ``apply_scaled_gradients(scale)`` (``jaxamp.OptimWrapper``)
-  does it in one jitted call.
-
-  Returns:
-    ``found_inf``, or ``None`` when the caller must unscale and apply in two
-    calls (no such method, or no gradients).
-
-  Raises:
-    ValueError: ``"Attempting to unscale FP16 gradients."`` for float16
-      gradients unless ``allow_float16``.
-  """
-  apply_scaled = getattr(optimizer, "apply_scaled_gradients", None)
-  if apply_scaled is None:
-    return None
-  grads = optimizer.grads
-  if grads is None or not jax.tree.leaves(grads):
-    return None
-  if not allow_float16 and has_float16_leaf(grads):
-    raise ValueError("Attempting to unscale FP16 gradients.")
-  return apply_scaled(scale)
-
-
-def holder_donates(optimizer: Any) -> bool:
-  """Whether ``optimizer`` owns its buffers and donates them (``donate=True``).
-
-  Its gradients are then unscaled in place: the scaled ones, which only the
-  holder references, are donated to the unscaled result.
-  """
-  return getattr(optimizer, "donate", False) is True
-
-
-@functools.lru_cache(maxsize=64)
-def update_fn(rule: loss_scale.ScaleRule) -> Callable[[ScalerState, Sequence[jax.Array]],
-                                                      tuple[ScalerState, jax.Array]]:
-  """The jitted scale update for one (static, hashable) rule, built once per rule.
-
-  The returned function maps ``(state, found_infs)`` (a tuple of boolean
-  scalars, one per optimizer checked this iteration) to ``(new_state,
-  found_inf)``, where ``found_inf`` is their OR.
-  """
-
-  @jax.jit
-  def update(state: ScalerState, found_infs: Sequence[jax.Array]) -> tuple[ScalerState, jax.Array]:
-    found = jnp.stack([jnp.asarray(f, jnp.bool_) for f in found_infs]).any()
-    scale, tracker, overflow = rule.adjust(state.scale, state.growth_tracker,
-                                           state.overflow_count, found)
-    return ScalerState(scale, tracker, overflow), found
-
-  return update
-
-
-def times_scale(x: Any, scale: jax.Array) -> jax.Array:
-  """``x * scale``, computed in float32 at least (half-precision inputs are promoted)."""
-  x = jnp.asarray(x)
-  wide = jnp.issubdtype(x.dtype, jnp.inexact) and jnp.finfo(x.dtype).bits >= 32
-  dtype = x.dtype if wide else jnp.dtype(jnp.float32)
-  return x.astype(dtype) * scale.astype(dtype)
-
-
-def is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def has_float16_leaf(tree: Any) -> bool:
-  return any(jnp.result_type(leaf) == jnp.float16 for leaf in jax.tree.leaves(tree))
-
-
-class ScaledLoss:
-  """A loss function whose output is multiplied by a scaler's current scale.
-
-  Returned by ``scaler.scale(loss_fn)``. It is a pytree: its only child is
-  the scale (a float32 scalar, read from the scaler when the pytree is
-  flattened), its static part is ``(fn, scaler, has_aux)``. Passed to a jitted
-  function, it therefore brings the current scale in as a traced argument and
-  compares equal across iterations: a loop compiles once.
-
-  Called outside a trace it reads the scaler's scale at call time. With
-  ``has_aux=True`` the function returns ``(loss, aux)`` and only ``loss`` is
-  scaled. Losses in float16/bfloat16 are promoted to float32 first.
-  """
-
-  __slots__ = ("fn", "scaler", "has_aux", "_scale")
-
-  def __init__(self, fn: Callable[..., Any], scaler: Any, has_aux: bool = False,
-               scale: Optional[jax.Array] = None):
-    self.fn = fn
-    self.scaler = scaler
-    self.has_aux = has_aux
-    self._scale = scale
-
-  @property
-  def scale(self) -> jax.Array:
-    """The scale this function multiplies by (the scaler's, unless unflattened)."""
-    return self.scaler._scale_array() if self._scale is None else self._scale
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    out = self.fn(*args, **kwargs)
-    scale = self.scale
-    if self.has_aux:
-      loss, aux = out
-      return times_scale(loss, scale), aux
-    return times_scale(out, scale)
-
-  def __eq__(self, other: Any) -> bool:
-    return (type(other) is ScaledLoss and self.fn == other.fn and self.scaler is other.scaler
-            and self.has_aux == other.has_aux)
-
-  def __hash__(self) -> int:
-    return hash((self.fn, id(self.scaler), self.has_aux))
-
-  def __repr__(self) -> str:
-    return f"ScaledLoss({self.fn!r}, has_aux={self.has_aux})"
-
-
-def _flatten_scaled_loss(f: ScaledLoss):
-  return (f.scale,), (f.fn, f.scaler, f.has_aux)
-
-
-def _unflatten_scaled_loss(aux, children) -> ScaledLoss:
-  fn, scaler, has_aux = aux
-  return ScaledLoss(fn, scaler, has_aux, children[0])
-
-
-jax.tree_util.register_pytree_node(ScaledLoss, _flatten_scaled_loss, _unflatten_scaled_loss)
-
-
-def as_float(name: str, value: Any) -> float:
-  """A Python float from a real number or a one-element array (host value)."""
-  if is_array(value) and np.size(value) == 1:
-    value = np.asarray(value).reshape(()).item()
-  return loss_scale._check_number(name, value)
-
-
-def as_count(name: str, value: Any) -> int:
-  """A non-negative Python int from an int or a one-element integer array."""
-  if is_array(value) and np.size(value) == 1:
-    value = np.asarray(value).reshape(()).item()
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-  if value < 0:
-    raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-  return int(value)
-
-
-def check_factor_types(**values: Any) -> None:
-  for name, value in values.items():
-    loss_scale._check_number(name, value)
-
-
-# ---------------------------------------------------------------------------------------------
-
 
 _NOT_SCALED_FIX = ("This may indicate your script did not use scaler.scale(loss or outputs) "
                    "earlier in the iteration.")
@@ -398,26 +141,23 @@ class GradScaler:
     if not isinstance(device, str):
       raise TypeError(f"device must be a device-type string such as 'cpu' or 'cuda', "
                       f"got {device!r}")
-    if not isinstance(enabled, (bool, np.bool_)):
-      raise TypeError(f"enabled must be a bool, got {enabled!r}")
     self._device = device
-    self._enabled = bool(enabled)
+    self._enabled = validation.check_bool("enabled", enabled)
     self._init_scale = float(init_scale) if isinstance(init_scale, numbers.Real) else init_scale
     self._growth_factor = growth_factor
     self._backoff_factor = backoff_factor
     self._growth_interval = growth_interval
     self._init_growth_tracker = 0
-    self._state: Optional[ScalerState] = None
-    self._per_optimizer_states: collections.defaultdict[int, OptimizerRecord] = (
-        collections.defaultdict(OptimizerRecord))
+    self._state: Optional[core.ScalerState] = None
+    self._stages = core.StageBook()
     if self._enabled:
-      check_factor_types(growth_factor=growth_factor, backoff_factor=backoff_factor)
+      core.check_factor_types(growth_factor=growth_factor, backoff_factor=backoff_factor)
       if growth_factor <= 1.0:
-        raise MimicError("The growth factor must be > 1.0.")
+        raise AssertionValueError("The growth factor must be > 1.0.")
       if backoff_factor >= 1.0:
-        raise MimicError("The backoff factor must be < 1.0.")
+        raise AssertionValueError("The backoff factor must be < 1.0.")
       self._rule = self._make_rule(growth_factor, backoff_factor, growth_interval)
-      self._init_scale = loss_scale.check_scale("init_scale", init_scale, self._rule.min_scale,
+      self._init_scale = validation.check_scale("init_scale", init_scale, self._rule.min_scale,
                                                 self._rule.max_scale)
 
   @staticmethod
@@ -435,12 +175,12 @@ class GradScaler:
 
   # -- state ------------------------------------------------------------------------------------
 
-  def _lazy_init_scale_growth_tracker(self) -> ScalerState:
+  def _lazy_init_scale_growth_tracker(self) -> core.ScalerState:
     if self._state is None:
-      self._state = make_state(self._init_scale, self._init_growth_tracker)
+      self._state = core.make_state(self._init_scale, self._init_growth_tracker)
     return self._state
 
-  def _check_scale_growth_tracker(self, funcname: str) -> ScalerState:
+  def _check_scale_growth_tracker(self, funcname: str) -> core.ScalerState:
     if self._state is None:
       raise AssertionError(f"Attempted {funcname} but _scale is None.  " + _NOT_SCALED_FIX)
     return self._state
@@ -450,7 +190,7 @@ class GradScaler:
     return self._lazy_init_scale_growth_tracker().scale
 
   @property
-  def state(self) -> Optional[ScalerState]:
+  def state(self) -> Optional[core.ScalerState]:
     """The device state (``None`` before the first :meth:`scale`, or when disabled)."""
     return self._state
 
@@ -479,14 +219,14 @@ class GradScaler:
     """
     if not self._enabled:
       return outputs
-    if is_array(outputs):
+    if core.is_array(outputs):
       return times_scale(outputs, self._scale_array())
     if callable(outputs) and not isinstance(outputs, (list, tuple)):
       self._lazy_init_scale_growth_tracker()
       return ScaledLoss(outputs, self, bool(has_aux))
 
     def apply_scale(val: Any) -> Any:
-      if is_array(val):
+      if core.is_array(val):
         return times_scale(val, self._scale_array())
       if isinstance(val, (list, tuple)):
         items = [apply_scale(v) for v in val]
@@ -521,21 +261,11 @@ class GradScaler:
     if not self._enabled:
       return
     state = self._check_scale_growth_tracker("unscale_")
-    record = self._per_optimizer_states[id(optimizer)]
-    if record.stage is OptState.UNSCALED:
-      raise RuntimeError(
-          "unscale_() has already been called on this optimizer since the last update().")
-    if record.stage is OptState.STEPPED:
-      raise RuntimeError("unscale_() is being called after step().")
-    grads = optimizer.grads
-    if grads is not None and jax.tree.leaves(grads):
-      if has_float16_leaf(grads):
-        raise ValueError("Attempting to unscale FP16 gradients.")
-      unscaled, found_inf = unscale_and_check(grads, state.scale,
-                                              donate=holder_donates(optimizer))
-      optimizer.grads = unscaled
+    record = self._stages.check_unscale(optimizer)
+    found_inf = core.unscale_grads(optimizer, state.scale, allow_float16=False)
+    if found_inf is not None:
       record.found_inf = found_inf
-    record.stage = OptState.UNSCALED
+    record.stage = core.OptState.UNSCALED
 
   def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
     """Unscales (unless :meth:`unscale_` did) and applies the gradients unless one is inf/nan.
@@ -558,20 +288,18 @@ class GradScaler:
     if "closure" in kwargs:
       raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
     state = self._check_scale_growth_tracker("step")
-    record = self._per_optimizer_states[id(optimizer)]
-    if record.stage is OptState.STEPPED:
-      raise RuntimeError("step() has already been called since the last update().")
-    if record.stage is OptState.READY and not args and not kwargs:
-      found_inf = fused_step(optimizer, state.scale, allow_float16=False)
+    record = self._stages.check_step(optimizer)
+    if record.stage is core.OptState.READY and not args and not kwargs:
+      found_inf = core.fused_step(optimizer, state.scale, allow_float16=False)
       if found_inf is not None:
-        record.found_inf, record.stage = found_inf, OptState.STEPPED
+        record.found_inf, record.stage = found_inf, core.OptState.STEPPED
         return None
-    if record.stage is OptState.READY:
+    if record.stage is core.OptState.READY:
       self.unscale_(optimizer)
     if record.found_inf is None:
       raise AssertionError("No inf checks were recorded for this optimizer.")
     optimizer.apply_gradients(*args, skip=record.found_inf, **kwargs)
-    record.stage = OptState.STEPPED
+    record.stage = core.OptState.STEPPED
     return None
 
   def update(self, new_scale: Any = None) -> None:
@@ -599,23 +327,22 @@ class GradScaler:
       return
     state = self._check_scale_growth_tracker("update")
     if new_scale is not None:
-      if is_array(new_scale):
+      if core.is_array(new_scale):
         if np.size(new_scale) != 1:
           raise NewScaleError(_NEW_SCALE_REASON)
         value = jnp.asarray(new_scale).reshape(()).astype(jnp.float32)
       elif isinstance(new_scale, float):
-        value = jnp.asarray(loss_scale.check_scale("new_scale", new_scale), jnp.float32)
+        value = jnp.asarray(validation.check_scale("new_scale", new_scale), jnp.float32)
       else:
         raise NewScaleError(_NEW_SCALE_REASON + f" Got {new_scale!r} of type "
                             f"{type(new_scale).__name__}.")
       self._state = state._replace(scale=value)
     else:
-      found_infs = tuple(r.found_inf for r in self._per_optimizer_states.values()
-                         if r.found_inf is not None)
+      found_infs = self._stages.found_infs()
       if not found_infs:
         raise AssertionError("No inf checks were recorded prior to update.")
-      self._state, _ = update_fn(self._rule)(state, found_infs)
-    self._per_optimizer_states = collections.defaultdict(OptimizerRecord)
+      self._state, _ = core.update_fn(self._rule)(state, found_infs)
+    self._stages.reset()
 
   # -- getters and setters ----------------------------------------------------------------------
 
@@ -701,15 +428,14 @@ class GradScaler:
     """
     if not self._enabled:
       return
-    if len(state_dict) == 0:
-      raise RuntimeError("The source state dict is empty, possibly because it was saved "
-                         "from a disabled instance of GradScaler.")
+    core.require_nonempty(state_dict, "The source state dict is empty, possibly because it was "
+                          "saved from a disabled instance of GradScaler.")
     growth_factor = state_dict["growth_factor"]
     backoff_factor = state_dict["backoff_factor"]
     growth_interval = state_dict["growth_interval"]
     rule = self._make_rule(growth_factor, backoff_factor, growth_interval)
-    scale = loss_scale.check_scale("scale", as_float("scale", state_dict["scale"]))
-    tracker = as_count("_growth_tracker", state_dict["_growth_tracker"])
+    scale = validation.check_scale("scale", core.as_float("scale", state_dict["scale"]))
+    tracker = core.as_count("_growth_tracker", state_dict["_growth_tracker"])
     self._rule = rule
     self._growth_factor = float(growth_factor)
     self._backoff_factor = float(backoff_factor)
@@ -717,4 +443,4 @@ class GradScaler:
     self._init_scale = scale
     self._init_growth_tracker = tracker
     if self._state is not None:
-      self._state = make_state(scale, tracker, self._state.overflow_count)
+      self._state = core.make_state(scale, tracker, self._state.overflow_count)

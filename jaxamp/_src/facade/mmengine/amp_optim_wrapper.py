@@ -1,0 +1,380 @@
+"""mmengine's ``AmpOptimWrapper``: the ``OptimWrapper`` with loss scaling and a compute dtype.
+
+Its transformation is ``dynamic_loss_scale(chain(clip, optimizer))`` (or
+``static_loss_scale`` for a float ``loss_scale``): the scale lives in the
+optax state, beside the optimizer's, and the scaler's state dict is
+PyTorch's ``GradScaler`` format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxamp._src import finite
+from jaxamp._src import state as state_lib
+from jaxamp._src import clipping
+from jaxamp._src import loss_scale as ls
+from jaxamp._src import policy as policy_lib
+from jaxamp._src import validation
+from jaxamp._src.facade.errors import AssertionTypeError
+from jaxamp._src.facade.errors import AssertionValueError
+from jaxamp._src.facade.mmengine import sharding_pins
+from jaxamp._src.facade.mmengine.hyperparams import as_float
+from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
+from jaxamp._src.facade.mmengine.optim_wrapper import fusable
+
+_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled",
+                "device", "hysteresis", "min_scale", "max_scale")
+_TORCH_SCALER_DEFAULTS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                              growth_interval=2000)
+_SCALER_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                      "_growth_tracker")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerConfig:
+  """A validated ``loss_scale``: ``kind`` is ``'dynamic'``, ``'static'`` or ``'disabled'``."""
+
+  kind: str  # 'dynamic', 'static' or 'disabled'
+  init_scale: float = 2.0**16
+  growth_factor: float = 2.0
+  backoff_factor: float = 0.5
+  growth_interval: int = 2000
+  hysteresis: int = 1
+  min_scale: Optional[float] = None
+  max_scale: Optional[float] = None
+
+
+def parse_loss_scale(loss_scale: Any) -> ScalerConfig:
+  """Validates ``loss_scale`` as mmengine's ``AmpOptimWrapper`` takes it (see the class)."""
+  if isinstance(loss_scale, str) and loss_scale == "dynamic":
+    return ScalerConfig("dynamic")
+  if isinstance(loss_scale, float):
+    validation.check_scale("loss_scale", loss_scale)
+    return ScalerConfig("static", init_scale=float(loss_scale))
+  if isinstance(loss_scale, Mapping):
+    cfg = dict(loss_scale)
+    for key in cfg:
+      if key not in _SCALER_KEYS:
+        raise TypeError(f"GradScaler.__init__() got an unexpected keyword argument '{key}' "
+                        f"(loss_scale accepts {list(_SCALER_KEYS)})")
+    cfg.pop("device", None)
+    enabled = validation.check_bool("enabled", cfg.pop("enabled", True))
+    merged = dict(_TORCH_SCALER_DEFAULTS, **cfg)
+    # Validated by the core: the same checks and messages as dynamic_loss_scale.
+    ls.dynamic_loss_scale(optax.identity(), **merged)
+    if not enabled:
+      return ScalerConfig("disabled")
+    return ScalerConfig("dynamic", init_scale=float(merged["init_scale"]),
+                         growth_factor=float(merged["growth_factor"]),
+                         backoff_factor=float(merged["backoff_factor"]),
+                         growth_interval=int(merged["growth_interval"]),
+                         hysteresis=int(merged.get("hysteresis", 1)),
+                         min_scale=merged.get("min_scale"), max_scale=merged.get("max_scale"))
+  raise TypeError(f'loss_scale must be of type float, dict, or "dynamic", but got {loss_scale}')
+
+
+class AmpOptimWrapper(OptimWrapper):
+  """mmengine's ``AmpOptimWrapper``: :class:`OptimWrapper` with loss scaling and a compute dtype.
+
+  Its transformation is ``jaxamp.dynamic_loss_scale(optax.chain(clip,
+  optimizer))`` (``jaxamp.static_loss_scale`` for a float ``loss_scale``):
+  ``backward`` multiplies the loss by the current scale; the step unscales
+  the summed gradients, clips them, skips the update when any is inf or nan
+  (params and optimizer state untouched) and adjusts the scale, once per
+  optimizer step, not per micro-batch. ``get_scale()`` returns the scale,
+  ``loss_scaler`` the scale state.
+
+  ``dtype`` is the compute dtype: inside ``backward`` the floating params and
+  array inputs are cast to it (:func:`jaxamp.mixed_precision`), while the
+  master params and the gradients stay float32 and the loss is returned in
+  float32. ``dtype=None`` casts nothing: the loss function runs as written
+  (e.g. a Flax module with its own ``dtype``). :meth:`optim_context` yields
+  the cast function, for code the user runs in the compute dtype himself.
+
+  Differences from mmengine, and why:
+
+  * ``loss_scale`` dicts also accept jaxamp's ``hysteresis``, ``min_scale``
+    and ``max_scale``; the scale never falls to 0 (it stops at
+    ``jaxamp.DEFAULT_MIN_SCALE``) and never grows to inf.
+  * ``state_dict()['loss_scaler']`` is PyTorch's GradScaler format (Python
+    values), plus ``'_hysteresis_tracker'`` when ``hysteresis > 1``. Loading
+    growth or backoff factors or an interval that differ from the current
+    ones rebuilds the step (one recompilation).
+  * With ``error_if_nonfinite=True`` an overflow raises, as it does in
+    mmengine, where ``clip_grad_norm_`` sees the unscaled inf first.
+  * ``apply_gradients(grads)`` expects gradients of the *scaled* loss (what
+    ``backward`` accumulates) and unscales them itself.
+
+  Args:
+    optimizer: an optax ``GradientTransformation``.
+    params: float32 (or bfloat16) master parameters; float16 is refused.
+    loss_scale: ``'dynamic'`` (PyTorch's defaults: 65536, x2 every 2000 good
+      steps, x0.5 on overflow), a float (a fixed scale, non-finite steps still
+      skipped) or a dict of GradScaler arguments (``init_scale``,
+      ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+      ``enabled``, ``device`` (ignored), ``hysteresis``, ``min_scale``,
+      ``max_scale``).
+    dtype: ``None``, ``'float16'``, ``'bfloat16'``, ``'float32'``,
+      ``'float64'`` or a floating dtype.
+    accumulative_counts: as :class:`OptimWrapper`.
+    clip_grad: as :class:`OptimWrapper`.
+    donate: as :class:`OptimWrapper` (buffer donation; invalidates arrays
+      read from the wrapper at the next step).
+
+  Raises:
+    TypeError: ``loss_scale`` of another type (mmengine's message) or
+      unknown GradScaler arguments.
+    AssertionError: (also a ``ValueError``) an unknown dtype name.
+    ValueError: float16 parameters, out-of-range scaler arguments.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> wrapper = jaxamp.AmpOptimWrapper(
+    ...     optax.sgd(0.1), {'w': jnp.ones(2)}, loss_scale=dict(init_scale=4.0),
+    ...     dtype='bfloat16')
+    >>> loss_fn = lambda p, x: jnp.sum(p['w'] * x)
+    >>> loss = wrapper.update_params(loss_fn, jnp.array([1.0, jnp.inf]))  # overflow: skipped
+    >>> wrapper.params['w'], wrapper.get_scale()
+    (Array([1., 1.], dtype=float32), 2.0)
+    >>> loss = wrapper.update_params(loss_fn, jnp.array([1.0, 2.0]))
+    >>> wrapper.params['w']
+    Array([0.9, 0.8], dtype=float32)
+  """
+
+  valid_dtypes = ("float16", "bfloat16", "float32", "float64")
+
+  def __init__(self, optimizer: optax.GradientTransformation, params: Any, *,
+               loss_scale: Union[str, float, dict] = "dynamic", dtype: Any = None,
+               accumulative_counts: int = 1, clip_grad: Optional[dict] = None,
+               donate: bool = False):
+    self._scaler = parse_loss_scale(loss_scale)
+    self.cast_dtype = self._parse_dtype(dtype)
+    self._amp_policy = (None if self.cast_dtype is None else
+                        policy_lib.Policy(jnp.float32, self.cast_dtype, jnp.float32))
+    super().__init__(optimizer, params, accumulative_counts=accumulative_counts,
+                     clip_grad=clip_grad, donate=donate)
+
+  def _parse_dtype(self, dtype: Any) -> Optional[jnp.dtype]:
+    if dtype is None:
+      return None
+    if isinstance(dtype, str):
+      if dtype not in self.valid_dtypes:
+        raise AssertionValueError(f"dtype should be any of {self.valid_dtypes}, got {dtype}")
+      return policy_lib.canonical_dtype(dtype)
+    try:
+      return policy_lib.canonical_dtype(dtype)
+    except (TypeError, ValueError):
+      raise AssertionTypeError(
+          f"dtype should be None or a floating dtype or one of {self.valid_dtypes}, got "
+          f"{dtype!r}") from None
+
+  # -- transformation --------------------------------------------------------------------------
+
+  def _build_transformation(self) -> optax.GradientTransformation:
+    inner = self._inner_transformation()
+    cfg = self._scaler
+    if cfg.kind == "disabled":
+      return inner
+    if cfg.kind == "static":
+      return ls.static_loss_scale(inner, cfg.init_scale)
+    return ls.dynamic_loss_scale(
+        inner, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
+        backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval,
+        hysteresis=cfg.hysteresis, min_scale=cfg.min_scale, max_scale=cfg.max_scale)
+
+  @property
+  def _scaling(self) -> bool:
+    return self._scaler.kind != "disabled"
+
+  def _inner_of(self, state: Any) -> Any:
+    return state.inner_state if self._scaling else state
+
+  def _with_inner(self, state: Any, inner: Any) -> Any:
+    return state._replace(inner_state=inner) if self._scaling else inner
+
+  def _loss_scale_of(self, state: Any) -> Optional[jax.Array]:
+    return state.scale if self._scaling else None
+
+  @property
+  def _policy(self) -> Optional[policy_lib.Policy]:
+    return self._amp_policy
+
+  def _update(self, params, state, grads, skip):
+    if not self._scaling:
+      return super()._update(params, state, grads, skip)
+    grads = sharding_pins.constrain(grads, self._shardings)
+    updates, new_state = self._tx.update(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    # A skipped step leaves the params bit-identical (even -0.0, which + 0 would turn to 0.0).
+    # (Kept as a select with donation too: a conditional here would split the update from the
+    # addition and change the rounding, e.g. where XLA contracts them into one multiply-add.)
+    new_params = optax.tree.where(new_state.skipped, params, new_params)
+    norm = None
+    if self._clip is not None and self._clip.kind == "norm":
+      recorded = new_state.inner_state[0].total_norm
+      order = self._clip.norm_type
+      # A skipped step keeps the old inner state; measure the (non-finite) norm then.
+      norm = lax.cond(
+          new_state.skipped,
+          lambda: clipping.total_grad_norm(finite.unscale(grads, state.scale), order),
+          lambda: recorded)
+    if skip is not None:
+      new_params = optax.tree.where(skip, params, new_params)
+      new_state = optax.tree.where(skip, state, new_state)
+    return sharding_pins.constrain(new_params, self._shardings), new_state, norm
+
+  def _cast_fn(self) -> Callable[[Any], Any]:
+    policy = self._amp_policy
+    if policy is None:
+      return super()._cast_fn()
+    return policy.cast_to_compute
+
+  @fusable
+  def step(self, closure: Optional[Callable] = None) -> None:
+    """Unscales, clips, skips or applies, and adjusts the scale, in one jitted call."""
+    if closure is not None and self._scaling:
+      raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+    super().step(closure)
+
+  @fusable
+  def backward(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
+               **kwargs: Any) -> Any:
+    """Adds the gradients of the scaled loss ``loss_fn(params, ...) * scale`` to :attr:`grads`.
+
+    The loss is computed in the compute ``dtype``; the returned loss is the
+    unscaled one (float32 when a ``dtype`` is set).
+    """
+    return self._run_backward(loss_fn, args, kwargs, has_aux, 1.0)
+
+  @contextlib.contextmanager
+  def optim_context(self, model: Any = None):
+    """As :meth:`OptimWrapper.optim_context`; yields the cast to the compute ``dtype``.
+
+    JAX has no global autocast: ``backward`` and ``update_params`` always
+    run the loss in the compute dtype; inside the context, user code casts
+    what it computes itself with the yielded function::
+
+      with wrapper.optim_context() as cast:
+        logits = model.apply(cast(params), cast(x))
+    """
+    with super().optim_context(model) as cast:
+      yield cast
+
+  # -- loss scale ------------------------------------------------------------------------------
+
+  @property
+  def loss_scaler(self) -> Optional[state_lib.LossScaleState]:
+    """The loss-scale state (``scale``, ``growth_tracker``...; ``inner_state`` left out).
+
+    ``None`` when the scaler is disabled (``loss_scale=dict(enabled=False)``).
+    """
+    if not self._scaling:
+      return None
+    return self._state._replace(inner_state=())
+
+  def get_scale(self) -> float:
+    """The current loss scale as a Python float (a host sync); 1.0 when disabled."""
+    if not self._scaling:
+      return 1.0
+    return float(self._state.scale)
+
+  def _scaler_state_dict(self) -> dict:
+    if not self._scaling:
+      return {}
+    cfg = self._scaler
+    out = {"scale": float(self._state.scale), "growth_factor": float(cfg.growth_factor),
+           "backoff_factor": float(cfg.backoff_factor), "growth_interval": int(cfg.growth_interval),
+           "_growth_tracker": int(self._state.growth_tracker)}
+    if cfg.hysteresis > 1:
+      out["_hysteresis_tracker"] = int(self._state.overflow_count)
+    return out
+
+  def state_dict(self) -> dict:
+    """The optimizer's state dict plus ``'loss_scaler'`` in PyTorch's GradScaler format."""
+    out = super().state_dict()
+    out["loss_scaler"] = self._scaler_state_dict()
+    return out
+
+  def _prepare_scaler_load(self, scaler: Any) -> Callable[[Any], Any]:
+    """Validates a GradScaler state dict; returns ``state -> state`` (and may rebuild the step)."""
+    if not isinstance(scaler, Mapping):
+      raise TypeError(f"state_dict['loss_scaler'] must be a dict, got {type(scaler).__name__}")
+    if not self._scaling:
+      return lambda state: state
+    if len(scaler) == 0:
+      raise RuntimeError("The source state dict is empty, possibly because it was saved from a "
+                         "disabled instance of GradScaler.")
+    allowed = set(_SCALER_STATE_KEYS) | {"_hysteresis_tracker"}
+    missing = sorted(set(_SCALER_STATE_KEYS) - set(scaler))
+    extra = sorted(set(scaler) - allowed)
+    if missing or extra:
+      raise ValueError(f"state_dict['loss_scaler'] must have the keys {list(_SCALER_STATE_KEYS)}: "
+                       f"missing {missing}, unexpected {extra}")
+    cfg = self._scaler
+    scale = validation.check_scale("loss_scaler['scale']", as_float("scale", scaler["scale"]))
+    tracker = scaler["_growth_tracker"]
+    hysteresis_tracker = scaler.get("_hysteresis_tracker", 0)
+    for name, value in (("_growth_tracker", tracker), ("_hysteresis_tracker", hysteresis_tracker)):
+      validation.check_int(f"loss_scaler[{name!r}]", value)
+    new_cfg = cfg
+    if cfg.kind == "dynamic":
+      new_cfg = dataclasses.replace(
+          cfg, growth_factor=as_float("growth_factor", scaler["growth_factor"]),
+          backoff_factor=as_float("backoff_factor", scaler["backoff_factor"]),
+          growth_interval=scaler["growth_interval"])
+      ls.make_rule(growth_factor=new_cfg.growth_factor, backoff_factor=new_cfg.backoff_factor,
+                   growth_interval=new_cfg.growth_interval, hysteresis=new_cfg.hysteresis,
+                   min_scale=new_cfg.min_scale, max_scale=new_cfg.max_scale)
+      new_cfg = dataclasses.replace(new_cfg, growth_interval=int(new_cfg.growth_interval))
+
+    def install(state):
+      if new_cfg != self._scaler:
+        self._scaler = new_cfg
+        self._tx = self._build_transformation()
+        self._jits.clear()
+      old = state
+      return old._replace(
+          scale=jax.device_put(np.float32(scale), old.scale.sharding),
+          growth_tracker=jax.device_put(np.int32(tracker), old.growth_tracker.sharding),
+          overflow_count=jax.device_put(np.int32(hysteresis_tracker), old.overflow_count.sharding))
+
+    return install
+
+  def _prepare_load(self, state_dict: Any) -> Callable[[], None]:
+    if not isinstance(state_dict, Mapping):
+      raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    state_dict = dict(state_dict)
+    scaler = state_dict.pop("loss_scaler", None)
+    state_dict.pop("base_param_settings", None)
+    install = None if scaler is None else self._prepare_scaler_load(scaler)
+    commit_optimizer = super()._prepare_load(state_dict)
+
+    def commit():
+      commit_optimizer()
+      if install is not None:
+        self._state = install(self._state)
+
+    return commit
+
+  def load_state_dict(self, state_dict: dict) -> None:
+    """Loads the optimizer state and, when present, ``'loss_scaler'`` (PyTorch's format).
+
+    A state dict without ``'loss_scaler'`` loads the optimizer only.
+    Everything is validated before anything changes.
+
+    Raises:
+      RuntimeError: an empty ``'loss_scaler'`` (PyTorch's message).
+      ValueError: see :meth:`OptimWrapper.load_state_dict`; scaler keys.
+    """
+    self._prepare_load(state_dict)()
+

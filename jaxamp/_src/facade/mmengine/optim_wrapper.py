@@ -1,0 +1,828 @@
+"""mmengine's ``OptimWrapper`` for optax: accumulation, clipping, one call per iteration.
+
+The wrapper is thin: it holds a pytree (parameters, the optax state,
+accumulated gradients) and Python counters (:mod:`.counting`), and calls
+jitted functions built from the functional core
+(:func:`jaxamp.clip_grad_norm`, optax; :func:`jaxamp.dynamic_loss_scale` in
+:class:`~jaxamp.AmpOptimWrapper`). Its rooms: the static/dynamic split of a
+loss-function call (:mod:`.jit_args`), ``clip_grad`` (:mod:`.clip`),
+hyperparameters and parameter groups (:mod:`.hyperparams`), sharding pins
+(:mod:`.sharding_pins`), pytree names and checks (:mod:`.trees`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxamp._src import finite
+from jaxamp._src import selective_update
+from jaxamp._src import clipping
+from jaxamp._src import policy as policy_lib
+from jaxamp._src import validation
+from jaxamp._src.facade.errors import AssertionTypeError
+from jaxamp._src.facade.mmengine import hyperparams as hp
+from jaxamp._src.facade.mmengine import sharding_pins
+from jaxamp._src.facade.mmengine import trees
+from jaxamp._src.facade.mmengine.clip import parse_clip_grad
+from jaxamp._src.facade.mmengine.counting import AccumulationCounter
+from jaxamp._src.facade.mmengine.jit_args import CallSpec
+from jaxamp._src.facade.mmengine.jit_args import merge_call
+from jaxamp._src.facade.mmengine.jit_args import split_call
+from jaxamp._src.facade.scaled_loss import DividedLoss
+from jaxamp._src.facade.scaled_loss import divide
+from jaxamp._src.facade.scaled_loss import times_scale
+
+_unscale = jax.jit(finite.unscale)
+
+
+def fusable(method: Callable) -> Callable:
+  """Marks a method whose behaviour the fused backward+step path reproduces.
+
+  ``update_params`` fuses backward, step and ``zero_grad`` into one jitted
+  call only when the class's ``backward`` and ``step`` are both marked: a
+  subclass overriding either without the mark gets the unfused path.
+  """
+  method.jaxamp_fusable = True  # type: ignore[attr-defined]
+  return method
+
+
+def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
+  """``optimizer`` when it is an optax transformation, else mmengine's assertion (a ``TypeError``)."""
+  if not validation.is_gradient_transformation(optimizer):
+    raise AssertionTypeError(
+        "optimizer must be an optax `GradientTransformation` (with init and update), but got "
+        f"{type(optimizer)}")
+  return optimizer
+
+
+def has_batch_norm(model: Any) -> bool:
+  """Whether ``model`` (any pytree or object) seems to hold BatchNorm layers (mmengine warns)."""
+  if model is None:
+    return False
+  found = []
+
+  def is_leaf(x):
+    if "batchnorm" in type(x).__name__.lower():
+      found.append(x)
+      return True
+    return False
+
+  try:
+    paths = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_leaf)[0]
+  except Exception:  # noqa: BLE001 (a model that is no pytree has no BatchNorm we can see)
+    return False
+  if found:
+    return True
+  for path, _ in paths:
+    for part in trees.path_parts(path):
+      low = part.lower()
+      if "batchnorm" in low or "batch_norm" in low or low == "batch_stats":
+        return True
+  return False
+
+
+class OptimWrapper:
+  """mmengine's ``OptimWrapper`` for optax: accumulation, clipping, one call per iteration.
+
+  The wrapper owns the parameters (PyTorch keeps them in the model), the optax
+  state and the accumulated gradients, and steps them through jitted
+  functions. A typical loop::
+
+    wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), params, accumulative_counts=4,
+                                  clip_grad=dict(max_norm=1.0))
+    wrapper.initialize_count_status(None, 0, len(loader))
+    for batch in loader:
+      loss = wrapper.update_params(loss_fn, batch)   # loss_fn(params, batch) -> scalar
+
+  **The loss is a function.** JAX has no ``loss.backward()``: where mmengine
+  takes a loss tensor, the wrapper takes ``loss_fn`` and its arguments and
+  differentiates ``loss_fn(params, *args, **kwargs)`` with respect to the
+  params. ``loss_fn`` and the arguments are flattened as one pytree: array
+  leaves are traced, everything else (the function itself, Python numbers,
+  strings) is static and hashed, exactly like ``jax.jit``'s static
+  arguments. Pass the batch as an argument, not through a new ``lambda``
+  per iteration (a new function object means a new compilation). A pytree
+  callable whose children are arrays (e.g. ``jaxamp.GradScaler.scale(fn)``,
+  which carries the current scale) does not retrace either.
+
+  **Counting** is mmengine's: ``update_params`` divides the loss by the
+  accumulation factor (:meth:`scale_loss`), adds the gradients into
+  :attr:`grads` and steps when :meth:`should_update` says so, including the
+  remainder window after :meth:`initialize_count_status`. Calling past
+  ``max_counts`` raises a clear error (mmengine divides by zero there).
+
+  **The optimizer protocol** (used by :class:`jaxamp.GradScaler`, which
+  accepts any object exposing it):
+
+  * ``params``: the current parameters (a pytree of arrays; settable).
+  * ``opt_state``: the state of ``optimizer`` (the clipping state and, for
+    :class:`AmpOptimWrapper`, the loss-scale state are kept beside it).
+  * ``grads``: the accumulated gradients, ``None`` after :meth:`zero_grad`;
+    assignable with a pytree of the params' structure, shapes and dtypes.
+  * ``backward(loss_fn, *args, has_aux=False, **kwargs)``: adds the
+    gradients of ``loss_fn(params, ...)`` to ``grads``; returns the loss.
+  * ``apply_gradients(grads=None, *, skip=None)``: one jitted call that
+    clips (recording the norm before clipping), runs the optimizer and
+    applies the updates. With ``skip``, a device boolean scalar, the
+    parameters and ``opt_state`` stay bit-identical where it is true: a
+    selection on the device, no host sync.
+  * ``apply_scaled_gradients(scale)``: divides ``grads`` by a loss scale,
+    checks them and applies them unless one is inf/nan, in one jitted call
+    (what the scalers' ``step`` uses).
+
+  **Learning rates.** ``get_lr()``, ``get_momentum()`` and ``param_groups``
+  read the hyperparameters from ``optax.inject_hyperparams`` states found
+  anywhere in the optimizer state (one parameter group per such state), and
+  writing ``param_groups[i]['lr']`` writes them there. Optimizers built by
+  :func:`jaxamp.build_optim_wrapper` are always built that way. For an optax
+  transformation without injected hyperparameters ``get_lr()`` and
+  ``get_momentum()`` raise a ``ValueError`` saying how to build it, and
+  ``param_groups`` holds one group with only ``'params'``.
+
+  Differences from mmengine, and why:
+
+  * ``backward``/``update_params`` take a loss function (see above) and
+    return the loss as a device array; ``update_params`` returns the loss
+    before the accumulation factor, as the user computed it.
+  * ``update_params`` fuses backward, step and ``zero_grad`` into one jitted
+    call when it is going to step (one dispatch, like a hand-written step).
+  * ``state_dict()`` is ``{'state': <optax state of optimizer>,
+    'param_groups': [...]}`` with device arrays; the parameters are not in
+    it (they are in :attr:`params`, as PyTorch keeps them in the model).
+  * ``clip_grad=dict(..., error_if_nonfinite=True)`` needs one host sync per
+    step to raise (the check must reach Python); without it nothing syncs.
+  * ``last_grad_norm`` holds the norm before clipping (mmengine logs it as
+    ``train/grad_norm``); ``None`` without norm clipping.
+
+  Args:
+    optimizer: an optax ``GradientTransformation``.
+    params: the parameters, a pytree of floating-point arrays (numpy leaves
+      are moved to the device; shardings of jax arrays are kept).
+    accumulative_counts: the number of ``update_params`` calls whose
+      gradients are summed into one step.
+    clip_grad: ``None``, ``dict(max_norm=..., norm_type=2.0,
+      error_if_nonfinite=False)`` (``type='norm'``, the default) or
+      ``dict(type='value', clip_value=...)``. Not mutated.
+    donate: opt-in buffer donation (see **Donation** below). ``False`` (the
+      default) never invalidates an array the user holds.
+
+  **Donation** (``donate=True``). The jitted step donates the wrapper's own
+  parameters and optimizer state, and ``backward`` donates the accumulated
+  gradients it adds to, so XLA updates them in place (as PyTorch's
+  ``optimizer.step()`` updates tensors in place) instead of allocating fresh
+  buffers each step. The numerics are identical to ``donate=False`` bit for
+  bit. **Arrays previously read from the wrapper are invalidated**:
+  ``params``, ``opt_state`` and ``loss_scaler`` by the next step, ``grads``
+  by the next ``backward`` that adds to them or a scaler's ``unscale_`` (and
+  the arrays passed to the constructor or assigned to ``params``/``grads``,
+  which the wrapper then owns, likewise); reading them raises JAX's "Array
+  has been deleted" ``RuntimeError``. Copy
+  what must outlive a step (``jax.tree.map(jnp.copy, wrapper.params)``).
+  :meth:`state_dict` returns on-device copies then, so checkpoints stay valid.
+  Donation saves memory (one copy of params and state instead of two during
+  a step) and the allocation of fresh buffers, which measured faster on CPU
+  too (``benchmarks/bench_grad_scaler.py``); it is off by default because it
+  invalidates arrays the user holds. An external ``skip`` (the GradScaler
+  protocol) is selected where the optimizer computes its new state, so a
+  skippable step costs no copy of the state.
+
+  Raises:
+    AssertionError: (also a ``ValueError``/``TypeError``) where mmengine
+      asserts: a non-positive ``accumulative_counts``, a ``clip_grad`` that is
+      not a non-empty dict, an optimizer that is not an optax transformation.
+    ValueError: an unknown clip ``type`` (mmengine's message).
+    TypeError: unknown clip arguments, non-floating parameters.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> loss_fn = lambda p, x: jnp.sum(p['w'] * x)
+    >>> wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), {'w': jnp.ones(2)},
+    ...                               accumulative_counts=2)
+    >>> x = jnp.array([1.0, 2.0])
+    >>> loss = wrapper.update_params(loss_fn, x)   # gradient x / 2, buffered
+    >>> wrapper.inner_count, wrapper.grads['w']
+    (1, Array([0.5, 1. ], dtype=float32))
+    >>> loss = wrapper.update_params(loss_fn, x)   # steps with the sum
+    >>> wrapper.params['w'], wrapper.grads
+    (Array([0.9, 0.8], dtype=float32), None)
+  """
+
+  def __init__(self, optimizer: optax.GradientTransformation, params: Any, *,
+               accumulative_counts: int = 1, clip_grad: Optional[dict] = None,
+               donate: bool = False):
+    if not isinstance(donate, bool):
+      raise TypeError(f"donate must be a bool, got {donate!r}")
+    self._donate = donate
+    self._counter = AccumulationCounter(accumulative_counts)
+    self._optimizer = check_optimizer(optimizer)
+    self._clip = parse_clip_grad(clip_grad)
+    self._params = trees.check_params(params)
+    self._shardings = sharding_pins.param_shardings(self._params)
+    self._tx = self._build_transformation()
+    self._state = self._init_state(self._params)
+    self._grads: Optional[Any] = None
+    # Set by apply_scaled_gradients: ``_grads`` holds the scaled gradients, and
+    # ``grads`` reads them divided by this (unscaled on first read).
+    self._grads_scale: Optional[jax.Array] = None
+    self._last_grad_norm: Optional[jax.Array] = None
+    self._jits: Dict[str, Callable] = {}
+    self._factors: Dict[float, jax.Array] = {}
+    self._specs: Optional[List[hp.GroupSpec]] = None
+    self._defaults: Optional[dict] = None
+
+  # -- the transformation and its state ---------------------------------------------------------
+
+  def _init_state(self, params: Any) -> Any:
+    return sharding_pins.replicate_scalars(self._tx.init(params), params)
+
+  def _inner_transformation(self) -> optax.GradientTransformation:
+    if self._clip is None:
+      return self._optimizer
+    return optax.chain(self._clip.transformation(), self._optimizer)
+
+  def _build_transformation(self) -> optax.GradientTransformation:
+    return self._inner_transformation()
+
+  def _inner_of(self, state: Any) -> Any:
+    """The state of ``chain(clip, optimizer)`` (or of ``optimizer``) inside the full state."""
+    return state
+
+  def _with_inner(self, state: Any, inner: Any) -> Any:
+    del state
+    return inner
+
+  def _opt_of(self, state: Any) -> Any:
+    inner = self._inner_of(state)
+    return inner if self._clip is None else inner[1]
+
+  def _with_opt(self, state: Any, opt_state: Any) -> Any:
+    inner = opt_state if self._clip is None else (self._inner_of(state)[0], opt_state)
+    return self._with_inner(state, inner)
+
+  def _loss_scale_of(self, state: Any) -> Optional[jax.Array]:
+    del state
+    return None
+
+  @property
+  def _policy(self) -> Optional[policy_lib.Policy]:
+    return None
+
+  # -- jitted functions -------------------------------------------------------------------------
+
+  @property
+  def donate(self) -> bool:
+    """Whether the jitted steps donate the wrapper's buffers (see the class notes)."""
+    return self._donate
+
+  def _jitted(self, name: str) -> Callable:
+    fn = self._jits.get(name)
+    if fn is None:
+      # Only buffers that an output of the same shape can reuse are donated
+      # (XLA warns about the others): params and state into the new params
+      # and state, the accumulated gradients into the new sum.
+      donated: Tuple[int, ...] = ()
+      if name in ("grad", "grad_acc"):
+        if self._donate and name == "grad_acc":
+          donated = (1,)
+        fn = jax.jit(functools.partial(self._grad_impl, name), static_argnums=(5,),
+                     donate_argnums=donated)
+      elif name in ("fused", "fused_acc"):
+        if self._donate:
+          donated = (0, 1)
+        fn = jax.jit(functools.partial(self._fused_impl, name), static_argnums=(5,),
+                     donate_argnums=donated)
+      elif name in ("apply", "apply_skip", "apply_scaled"):
+        if self._donate:
+          donated = (0, 1)
+        impl = self._apply_scaled_impl if name == "apply_scaled" else self._apply_impl
+        fn = jax.jit(functools.partial(impl, name), donate_argnums=donated)
+      else:  # pragma: no cover
+        raise KeyError(name)
+      self._jits[name] = fn
+    return fn
+
+  def _objective(self, spec: CallSpec, dynamic: Sequence[Any], factor: jax.Array,
+                 scale: Optional[jax.Array]) -> Callable:
+    loss_fn, args, kwargs = merge_call(spec, dynamic)
+    policy = self._policy
+    if policy is not None:
+      loss_fn = policy_lib.mixed_precision(loss_fn, policy)
+
+    def objective(params):
+      out = loss_fn(params, *args, **kwargs)
+      if spec.has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+          raise TypeError("With has_aux=True, loss_fn must return a pair (loss, aux), got "
+                          f"{type(out).__name__}")
+        loss, aux = out
+      else:
+        loss, aux = out, None
+      loss = jnp.asarray(loss)
+      if loss.shape != ():
+        raise TypeError(f"loss_fn must return a scalar loss, got shape {loss.shape}")
+      value = divide(loss, factor)
+      if scale is not None:
+        value = times_scale(value, scale)
+      return value, (loss, aux)
+
+    return objective
+
+  def _grads_and_loss(self, params, dynamic, factor, scale, spec):
+    objective = self._objective(spec, dynamic, factor, scale)
+    grads, (loss, aux) = jax.grad(objective, has_aux=True)(params)
+    out = (loss, aux) if spec.has_aux else loss
+    return out, grads
+
+  # The traced implementations take the jitted function's name first (``'grad'``,
+  # ``'apply_skip'``, ...), the key of ``_jits``.
+
+  def _grad_impl(self, name, params, buffer, dynamic, factor, scale, spec):
+    del name
+    out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
+    if buffer is not None:
+      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
+      grads = jax.tree.map(lambda b, g: b + finite.as_stored(g), buffer, grads)
+    return out, sharding_pins.constrain(grads, self._shardings)
+
+  def _update(self, params, state, grads, skip):
+    """Traced: one optimizer step. Returns ``(params, state, grad_norm)``."""
+    grads = sharding_pins.constrain(grads, self._shardings)
+    if skip is None:
+      updates, new_state = self._tx.update(grads, state, params)
+    else:
+      # The step counts only where not skipped, selected where the optimizer
+      # computes it (no copy of the state); the clipping state, with the norm,
+      # advances either way.
+      updates, new_state = selective_update.select_update(
+          jnp.logical_not(skip), lambda: self._tx.update(grads, state, params), state)
+      if self._clip is not None:
+        _, clip_state = self._clip.transformation().update(grads, self._inner_of(state)[0], params)
+        new_state = self._with_inner(new_state, (clip_state, self._opt_of(new_state)))
+    new_params = optax.apply_updates(params, updates)
+    norm = None
+    if self._clip is not None and self._clip.kind == "norm":
+      norm = self._inner_of(new_state)[0].total_norm
+    return sharding_pins.constrain(new_params, self._shardings), new_state, norm
+
+  def _apply_impl(self, name, params, state, grads, skip=None):
+    del name
+    return self._update(params, state, grads, skip)
+
+  def _apply_scaled_impl(self, name, params, state, grads, scale):
+    found_inf = jnp.logical_not(finite.unscaled_all_finite(grads, scale))
+    params, state, norm = self._apply_impl(name, params, state, finite.unscale(grads, scale),
+                                           found_inf)
+    return params, state, norm, found_inf
+
+  def _fused_impl(self, name, params, state, buffer, dynamic, factor, spec):
+    del name
+    scale = self._loss_scale_of(state)
+    out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
+    if buffer is not None:
+      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
+      grads = jax.tree.map(lambda b, g: b + finite.as_stored(g), buffer, grads)
+    new_params, new_state, norm = self._update(params, state, grads, None)
+    return out, new_params, new_state, norm
+
+  def _factor(self, factor: float) -> jax.Array:
+    array = self._factors.get(factor)
+    if array is None:
+      array = self._factors[factor] = jax.device_put(np.float32(factor))
+    return array
+
+  # -- properties ------------------------------------------------------------------------------
+
+  @property
+  def params(self) -> Any:
+    """The current parameters (settable with a pytree of the same structure, shapes, dtypes)."""
+    return self._params
+
+  @params.setter
+  def params(self, value: Any) -> None:
+    self._params = self._validated_like_params(value, "params")
+    self._shardings = sharding_pins.param_shardings(self._params)
+
+  @property
+  def opt_state(self) -> Any:
+    """The optax state of ``optimizer`` (without the clipping or loss-scale state)."""
+    return self._opt_of(self._state)
+
+  @property
+  def grads(self) -> Optional[Any]:
+    """The accumulated gradients, ``None`` after :meth:`zero_grad`.
+
+    Assigning a pytree with the params' structure, shapes and dtypes
+    replaces them (as PyTorch users overwrite ``.grad``); ``None`` clears them.
+    """
+    if self._grads_scale is not None:
+      self._grads = _unscale(self._grads, self._grads_scale)
+      self._grads_scale = None
+    return self._grads
+
+  @grads.setter
+  def grads(self, value: Optional[Any]) -> None:
+    self._grads = None if value is None else self._validated_like_params(value, "grads")
+    self._grads_scale = None
+
+  @property
+  def inner_count(self) -> int:
+    """The number of ``backward`` calls counted so far (mmengine's ``_inner_count``)."""
+    return self._counter.inner_count
+
+  @property
+  def last_grad_norm(self) -> Optional[jax.Array]:
+    """The total gradient norm before clipping at the last step (a float32 device scalar).
+
+    ``None`` before the first step and without ``clip_grad`` of type
+    ``'norm'`` (mmengine logs no ``grad_norm`` then either).
+    """
+    return self._last_grad_norm
+
+  def _validated_like_params(self, value: Any, what: str) -> Any:
+    return trees.validated_like_params(value, self._params, what)
+
+  # -- counting (mmengine) ----------------------------------------------------------------------
+
+  # mmengine's attribute names, which ported hooks and tests read.
+  _accumulative_counts = property(lambda self: self._counter.accumulative_counts)
+  _inner_count = property(lambda self: self._counter.inner_count)
+  _max_counts = property(lambda self: self._counter.max_counts)
+  _remainder_counts = property(lambda self: self._counter.remainder_counts)
+
+  def initialize_count_status(self, model: Any, init_counts: int, max_counts: int) -> None:
+    """Sets the counters for a run of ``max_counts`` calls starting at ``init_counts``.
+
+    As mmengine: warns when resuming at a count that is not a multiple of
+    ``accumulative_counts`` (the gradients of a partial window are lost), and
+    when ``model`` (any pytree or object; may be ``None``) has BatchNorm
+    layers and gradients are accumulated.
+    """
+    self._counter.initialize(init_counts, max_counts,
+                             self._counter.accumulative_counts > 1 and has_batch_norm(model))
+
+  def should_update(self) -> bool:
+    """Whether the current call (after ``backward``) should step (mmengine's rule)."""
+    return self._counter.should_update()
+
+  def should_sync(self) -> bool:
+    """Whether the next ``backward`` ends a window (so gradients should be synchronized)."""
+    return self._counter.should_sync()
+
+  def scale_loss(self, loss: Any) -> Any:
+    """Divides ``loss`` by mmengine's accumulation factor for the current call.
+
+    ``loss`` is an array (returns ``loss / factor``) or a loss function
+    (returns a function whose loss is divided; with ``has_aux`` outputs only
+    the loss is divided). The factor is ``accumulative_counts``, or the size of
+    the last window after :meth:`initialize_count_status`.
+
+    Raises:
+      AssertionError: (also a ``RuntimeError``) past ``max_counts``.
+    """
+    factor = self._counter.loss_factor()
+    if callable(loss) and not trees.is_array(loss):
+      return DividedLoss(loss, self._factor(float(factor)))
+    loss = jnp.asarray(loss)
+    return loss / jnp.asarray(factor, loss.dtype)
+
+  # -- backward / step ------------------------------------------------------------------------
+
+  def _run_backward(self, loss_fn: Any, args: tuple, kwargs: dict, has_aux: bool,
+                    factor: float) -> Any:
+    dynamic, spec = split_call(loss_fn, args, kwargs, has_aux)
+    buffer = self.grads
+    name = "grad" if buffer is None else "grad_acc"
+    scale = self._loss_scale_of(self._state)
+    out, grads = self._jitted(name)(self._params, buffer, dynamic, self._factor(factor),
+                                    scale, spec)
+    self._grads = grads
+    self._counter.inner_count += 1
+    return out
+
+  @fusable
+  def backward(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
+               **kwargs: Any) -> Any:
+    """Adds the gradients of ``loss_fn(params, *args, **kwargs)`` to :attr:`grads`.
+
+    Increments :attr:`inner_count`. Returns the loss (and, with
+    ``has_aux=True``, ``(loss, aux)``) as device arrays: nothing waits for
+    the device. Array leaves of ``loss_fn``/``args``/``kwargs`` are traced,
+    other leaves are static (see the class notes), so repeated calls compile
+    once.
+    """
+    return self._run_backward(loss_fn, args, kwargs, has_aux, 1.0)
+
+  def apply_gradients(self, grads: Optional[Any] = None, *, skip: Optional[Any] = None) -> None:
+    """Clips, runs the optimizer and applies the updates, in one jitted call.
+
+    Args:
+      grads: the gradients; ``None`` means :attr:`grads`. With neither there
+        is nothing to apply and nothing changes (as a PyTorch step whose
+        parameters have no ``.grad``).
+      skip: ``None``, or a boolean scalar (on the device: no host sync); where
+        true, :attr:`params` and :attr:`opt_state` stay bit-identical. The norm
+        before clipping is recorded either way.
+
+    Raises:
+      RuntimeError: with ``error_if_nonfinite=True`` and a non-finite norm
+        (PyTorch's message); nothing is changed then.
+    """
+    if grads is None:
+      grads = self.grads
+    else:
+      grads = self._validated_like_params(grads, "grads")
+    if grads is None:
+      return
+    if skip is None:
+      result = self._jitted("apply")(self._params, self._state, grads)
+    else:
+      skip = jnp.asarray(skip)
+      if skip.shape != () or skip.dtype != jnp.bool_:
+        raise ValueError(f"skip must be a boolean scalar, got dtype {skip.dtype} and shape "
+                         f"{skip.shape}")
+      result = self._jitted("apply_skip")(self._params, self._state, grads, skip)
+    self._commit_step(*result)
+
+  def apply_scaled_gradients(self, scale: Any) -> Optional[jax.Array]:
+    """Unscales :attr:`grads` by ``scale``, checks them and applies them unless one is inf/nan.
+
+    :meth:`GradScaler.unscale_ <jaxamp.GradScaler.unscale_>` and
+    :meth:`apply_gradients` in one jitted call, so that the unscaled gradients
+    are not written out and read back: the scalers' ``step`` uses it when
+    nothing has to see the gradients unscaled in between. Afterwards
+    :attr:`grads` reads the unscaled gradients (computed on the first read).
+
+    Args:
+      scale: the loss scale, a float32 scalar (no host sync).
+
+    Returns:
+      ``found_inf``, a device boolean: whether a gradient was inf or nan (the
+      step was skipped); ``None`` when there are no gradients (nothing changes).
+    """
+    grads = self.grads
+    if grads is None:
+      return None
+    scale = jnp.asarray(scale, jnp.float32)
+    params, state, norm, found_inf = self._jitted("apply_scaled")(self._params, self._state,
+                                                                 grads, scale)
+    self._commit_step(params, state, norm)
+    self._grads_scale = scale
+    return found_inf
+
+  def _commit_step(self, params: Any, state: Any, norm: Optional[jax.Array]) -> None:
+    if self._clip is not None and self._clip.error_if_nonfinite and norm is not None:
+      clipping.check_total_norm(norm, self._clip.norm_type)
+    self._params, self._state, self._last_grad_norm = params, state, norm
+
+  @fusable
+  def step(self, closure: Optional[Callable] = None) -> None:
+    """Applies :attr:`grads` (clipping first, per ``clip_grad``); see :meth:`apply_gradients`."""
+    if closure is not None:
+      raise TypeError("step(closure=...) is not supported: the loss is recomputed by "
+                      "backward(loss_fn, ...), not by a closure.")
+    self.apply_gradients()
+
+  def zero_grad(self, set_to_none: bool = True) -> None:
+    """Clears :attr:`grads`: ``None``, or zeros like the params with ``set_to_none=False``."""
+    self._grads = None if set_to_none else jax.tree.map(jnp.zeros_like, self._params)
+    self._grads_scale = None
+
+  def _can_fuse(self) -> bool:
+    cls = type(self)
+    return (getattr(cls.step, "jaxamp_fusable", False)
+            and getattr(cls.backward, "jaxamp_fusable", False)
+            and not (self._clip is not None and self._clip.error_if_nonfinite))
+
+  def update_params(self, loss_fn: Callable[..., Any], *args: Any,
+                    step_kwargs: Optional[dict] = None, zero_kwargs: Optional[dict] = None,
+                    has_aux: bool = False, **kwargs: Any) -> Any:
+    """One training iteration: :meth:`scale_loss`, :meth:`backward`, and step when due.
+
+    When :meth:`should_update` is true after the backward pass, the
+    parameters are stepped (:meth:`step`) and the gradients cleared
+    (:meth:`zero_grad`); the three run as one jitted call.
+
+    Args:
+      loss_fn: ``loss_fn(params, *args, **kwargs)`` returns a scalar loss
+        (or ``(loss, aux)`` with ``has_aux=True``).
+      *args: passed to ``loss_fn``.
+      step_kwargs: keyword arguments of :meth:`step`.
+      zero_kwargs: keyword arguments of :meth:`zero_grad`.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      **kwargs: passed to ``loss_fn``.
+
+    Returns:
+      The loss as ``loss_fn`` returned it (before the accumulation factor),
+      and the aux output with ``has_aux=True``: device arrays.
+    """
+    step_kwargs = {} if step_kwargs is None else dict(step_kwargs)
+    zero_kwargs = {} if zero_kwargs is None else dict(zero_kwargs)
+    factor = float(self._counter.loss_factor())
+    if self.should_sync() and self._can_fuse() and not step_kwargs:
+      dynamic, spec = split_call(loss_fn, args, kwargs, has_aux)
+      buffer = self.grads
+      name = "fused" if buffer is None else "fused_acc"
+      out, params, state, norm = self._jitted(name)(
+          self._params, self._state, buffer, dynamic, self._factor(factor), spec)
+      self._counter.inner_count += 1
+      self._params, self._state, self._last_grad_norm = params, state, norm
+      self._grads = None
+      self.zero_grad(**zero_kwargs)
+      return out
+    out = self._run_backward(loss_fn, args, kwargs, has_aux, factor)
+    if self.should_update():
+      self.step(**step_kwargs)
+      self.zero_grad(**zero_kwargs)
+    return out
+
+  @contextlib.contextmanager
+  def optim_context(self, model: Any = None):
+    """A context for one iteration, as mmengine's.
+
+    Inside it, a ``model`` with a ``no_sync()`` method is kept from
+    synchronizing gradients while the window is not complete
+    (``should_sync()`` false). Yields a function casting the floating leaves
+    of a pytree to the compute dtype: the identity here; the ``dtype`` of
+    :class:`AmpOptimWrapper`.
+    """
+    cast = self._cast_fn()
+    if not self.should_sync() and hasattr(model, "no_sync"):
+      with model.no_sync():
+        yield cast
+    else:
+      yield cast
+
+  def _cast_fn(self) -> Callable[[Any], Any]:
+    return lambda tree: tree
+
+  # -- hyperparameters --------------------------------------------------------------------------
+
+  def _group_specs(self) -> List[hp.GroupSpec]:
+    if self._specs is None:
+      nodes = hp.inject_nodes(self.opt_state)
+      names = trees.param_names(self._params)
+      if not nodes:
+        self._specs = [hp.GroupSpec(names=names, codecs={})]
+      else:
+        self._specs = [hp.GroupSpec(names=names if len(nodes) == 1 else None,
+                                    codecs=hp.generic_codecs(node.hyperparams)) for node in nodes]
+    return self._specs
+
+  def _set_group_specs(self, specs: List[hp.GroupSpec], defaults: dict) -> None:
+    if len(specs) != len(hp.inject_nodes(self.opt_state)):
+      raise ValueError("one parameter group per inject_hyperparams state is expected")
+    self._specs = specs
+    self._defaults = dict(defaults)
+
+  def _read_hyperparam(self, index: int, key: str) -> Any:
+    return hp.read_hyperparam(self._group_specs()[index], hp.inject_nodes(self.opt_state)[index],
+                              key)
+
+  def _hyperparam_state(self, opt_state: Any, index: int, key: str, value: Any) -> Any:
+    return hp.with_hyperparam(opt_state, index, self._group_specs()[index].codecs[key], value)
+
+  def _write_hyperparam(self, index: int, key: str, value: Any) -> None:
+    opt_state = self._hyperparam_state(self.opt_state, index, key, value)
+    self._state = self._with_opt(self._state, opt_state)
+    self._group_specs()[index].mirror[key] = value
+
+  @property
+  def param_groups(self) -> List[hp.ParamGroup]:
+    """The parameter groups: live views of the hyperparameters (see :class:`ParamGroup`)."""
+    return [hp.ParamGroup(self, i) for i in range(len(self._group_specs()))]
+
+  @property
+  def defaults(self) -> dict:
+    """The optimizer's default hyperparameters (PyTorch names), as ``Optimizer.defaults``.
+
+    For a wrapper built by :func:`build_optim_wrapper`: the optimizer config
+    with PyTorch's defaults filled in. Otherwise the first group's injected
+    hyperparameters when first asked for, or ``{}`` when nothing is injected.
+    """
+    if self._defaults is None:
+      group = self.param_groups[0]
+      self._defaults = {k: group[k] for k in group if k != "params"}
+    return dict(self._defaults)
+
+  def _readable_groups(self, what: str) -> List[Any]:
+    """The parameter groups, or a clear error when no hyperparameter was injected."""
+    if not any(spec.codecs for spec in self._group_specs()):
+      raise ValueError(
+          f"Cannot read the {what} of this optimizer: its state holds no "
+          "optax.inject_hyperparams state. Build it as, e.g., "
+          "optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), or with "
+          "jaxamp.build_optim_wrapper, to make the hyperparameters readable and settable.")
+    return self.param_groups
+
+  def get_lr(self) -> Dict[str, List[float]]:
+    """``{'lr': [learning rate of each parameter group]}`` (Python floats).
+
+    Raises:
+      ValueError: when the optimizer has no injected hyperparameters.
+    """
+    lrs = []
+    for group in self._readable_groups("learning rate"):
+      if "lr" not in group:
+        raise ValueError(f"A parameter group has no injected learning rate: {dict(group)!r}")
+      lrs.append(group["lr"])
+    return dict(lr=lrs)
+
+  def get_momentum(self) -> Dict[str, List[float]]:
+    """``{'momentum': [...]}``: SGD/RMSprop momentum, Adam's first beta, else 0 per group.
+
+    Raises:
+      ValueError: when the optimizer has no injected hyperparameters.
+    """
+    momentum = []
+    for group in self._readable_groups("momentum"):
+      if "momentum" in group:
+        momentum.append(group["momentum"])
+      elif "betas" in group:
+        momentum.append(group["betas"][0])
+      else:
+        momentum.append(0)
+    return dict(momentum=momentum)
+
+  # -- state dict -------------------------------------------------------------------------------
+
+  def state_dict(self) -> dict:
+    """``{'state': <optax state of optimizer>, 'param_groups': [...]}``.
+
+    ``state`` holds device arrays (no copy, shardings kept; with
+    ``donate=True`` on-device copies, so that the next step, which donates
+    the wrapper's buffers, leaves them valid); ``param_groups`` the groups'
+    names and hyperparameters as Python values.
+    """
+    groups = []
+    for group in self.param_groups:
+      groups.append({k: group[k] for k in group})
+    state = self.opt_state
+    if self._donate:
+      state = jax.tree.map(jnp.copy, state)
+    return {"state": state, "param_groups": groups}
+
+  def _prepare_load(self, state_dict: Any) -> Callable[[], None]:
+    """Validates ``state_dict`` fully; returns the function that installs it."""
+    if not isinstance(state_dict, Mapping):
+      raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    expected = {"state", "param_groups"}
+    missing = sorted(expected - set(state_dict))
+    extra = sorted(set(state_dict) - expected)
+    if missing or extra:
+      raise ValueError(f"state_dict must have exactly the keys {sorted(expected)}: missing "
+                       f"{missing}, unexpected {extra}")
+    opt_state = trees.validated_like(state_dict["state"], self.opt_state, "state_dict['state']")
+    opt_state, commit_groups = hp.load_groups(state_dict["param_groups"], self._group_specs(),
+                                              opt_state)
+
+    def commit():
+      self._state = self._with_opt(self._state, opt_state)
+      commit_groups()
+
+    return commit
+
+  def load_state_dict(self, state_dict: dict) -> None:
+    """Loads a :meth:`state_dict`; validates everything before changing anything.
+
+    Raises:
+      ValueError: missing or unexpected keys, another tree structure (a
+        different optimizer or parameters), other shapes or dtypes, other
+        parameter groups.
+      TypeError: a non-dict, or leaves that are not arrays.
+    """
+    self._prepare_load(state_dict)()
+
+  def __repr__(self) -> str:
+    return (f"Type: {type(self).__name__}\n_accumulative_counts: "
+            f"{self._counter.accumulative_counts}\n"
+            f"optimizer: \n{self._optimizer!r}\n")
+
+
+
+def install_group_specs(wrapper: OptimWrapper, specs: List[hp.GroupSpec], defaults: dict) -> None:
+  """Gives ``wrapper`` the parameter groups :func:`jaxamp.build_optim_wrapper` built.
+
+  ``specs`` holds one :class:`~.hyperparams.GroupSpec` per injected state
+  of the wrapper's optimizer (names, PyTorch codecs, fixed keys, extras),
+  ``defaults`` the optimizer's defaults with PyTorch's names.
+  """
+  wrapper._set_group_specs(specs, defaults)  # noqa: SLF001 (the wrapper's own module)
+
+
+def describe_groups(wrapper: OptimWrapper, groups: Sequence[Tuple[List[str], dict]]) -> None:
+  """Names the leaves of each parameter group and adds its extra keys (``lr_mult``...).
+
+  For a wrapper around an injected optax factory, whose hyperparameters keep
+  their optax names: ``groups`` holds ``(leaf names, extras)`` per group.
+  """
+  for spec, (names, extras) in zip(wrapper._group_specs(), groups):  # noqa: SLF001
+    spec.names = names
+    spec.extras.update(extras)

@@ -1,0 +1,128 @@
+"""Loss functions multiplied by a loss scale or divided by an accumulation factor.
+
+JAX has no ``loss.backward()``: the facades take a loss *function* and
+differentiate it. ``scaler.scale(loss_fn)`` and ``wrapper.scale_loss(loss_fn)``
+return such a function with its loss multiplied or divided. Both are pytrees
+whose only child is the factor (a float32 device scalar) and whose static
+part is the wrapped function, so passing them to a jitted step brings the
+current factor in as a traced argument: the step compiles once while the
+scale changes. Losses in float16/bfloat16 are promoted to float32 first
+(65536 is not a finite float16).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+
+def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
+  """``loss * scale``, computed in float32 at least (half-precision and integer losses promoted)."""
+  loss = jnp.asarray(loss)
+  wide = jnp.issubdtype(loss.dtype, jnp.inexact) and jnp.finfo(loss.dtype).bits >= 32
+  dtype = loss.dtype if wide else jnp.dtype(jnp.float32)
+  return loss.astype(dtype) * scale.astype(dtype)
+
+
+def divide(loss: Any, factor: jax.Array) -> jax.Array:
+  """``loss / factor``, computed in float32 at least."""
+  loss = jnp.asarray(loss)
+  loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+  return loss / factor.astype(loss.dtype)
+
+
+class ScaledLoss:
+  """A loss function whose output is multiplied by a scaler's current scale.
+
+  Returned by ``scaler.scale(loss_fn)``. It is a pytree: its only child is
+  the scale (a float32 scalar, read from the scaler when the pytree is
+  flattened), its static part is ``(fn, scaler, has_aux)``. Passed to a jitted
+  function, it therefore brings the current scale in as a traced argument and
+  compares equal across iterations: a loop compiles once.
+
+  Called outside a trace it reads the scaler's scale at call time. With
+  ``has_aux=True`` the function returns ``(loss, aux)`` and only ``loss`` is
+  scaled. Losses in float16/bfloat16 are promoted to float32 first.
+
+  The scaler is any object with a ``_scale_array()`` method returning its
+  current scale as a float32 device scalar.
+  """
+
+  __slots__ = ("fn", "scaler", "has_aux", "_scale")
+
+  def __init__(self, fn: Callable[..., Any], scaler: Any, has_aux: bool = False,
+               scale: Optional[jax.Array] = None):
+    self.fn = fn
+    self.scaler = scaler
+    self.has_aux = has_aux
+    self._scale = scale
+
+  @property
+  def scale(self) -> jax.Array:
+    """The scale this function multiplies by (the scaler's, unless unflattened)."""
+    if self._scale is None:
+      return self.scaler._scale_array()  # noqa: SLF001
+    return self._scale
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    out = self.fn(*args, **kwargs)
+    scale = self.scale
+    if self.has_aux:
+      loss, aux = out
+      return times_scale(loss, scale), aux
+    return times_scale(out, scale)
+
+  def __eq__(self, other: Any) -> bool:
+    return (type(other) is ScaledLoss and self.fn == other.fn and self.scaler is other.scaler
+            and self.has_aux == other.has_aux)
+
+  def __hash__(self) -> int:
+    return hash((self.fn, id(self.scaler), self.has_aux))
+
+  def __repr__(self) -> str:
+    return f"ScaledLoss({self.fn!r}, has_aux={self.has_aux})"
+
+
+def _flatten_scaled_loss(f: ScaledLoss):
+  return (f.scale,), (f.fn, f.scaler, f.has_aux)
+
+
+def _unflatten_scaled_loss(aux, children) -> ScaledLoss:
+  fn, scaler, has_aux = aux
+  return ScaledLoss(fn, scaler, has_aux, children[0])
+
+
+jax.tree_util.register_pytree_node(ScaledLoss, _flatten_scaled_loss, _unflatten_scaled_loss)
+
+
+class DividedLoss:
+  """``loss_fn`` with its loss divided by a factor; a pytree whose child is the factor.
+
+  Returned by ``OptimWrapper.scale_loss(loss_fn)``. A function returning a
+  pair ``(loss, aux)`` has only its loss divided.
+  """
+
+  __slots__ = ("fn", "factor")
+
+  def __init__(self, fn: Callable[..., Any], factor: jax.Array):
+    self.fn = fn
+    self.factor = factor
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    out = self.fn(*args, **kwargs)
+    if isinstance(out, tuple) and len(out) == 2:
+      loss, aux = out
+      return divide(loss, self.factor), aux
+    return divide(out, self.factor)
+
+  def __eq__(self, other: Any) -> bool:
+    return type(other) is DividedLoss and self.fn == other.fn
+
+  def __hash__(self) -> int:
+    return hash((DividedLoss, self.fn))
+
+
+jax.tree_util.register_pytree_node(
+    DividedLoss, lambda f: ((f.factor,), f.fn), lambda fn, children: DividedLoss(fn, children[0]))
