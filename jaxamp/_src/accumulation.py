@@ -20,20 +20,13 @@ import optax
 from jax import lax
 
 from jaxamp._src import finite
+from jaxamp._src import selective_update
 from jaxamp._src import sharding
 from jaxamp._src import state as state_lib
 from jaxamp._src import validation
 from jaxamp._src.state import AccumulationState
 
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-
-
-def _zero_update(g: jax.Array, varying: frozenset) -> jax.Array:
-  # -0.0, not 0.0: p + (-0.0) is p bit for bit, a -0.0 parameter included.
-  # Sharded as g is and, inside shard_map, typed like the real updates.
-  g = jnp.asarray(g)
-  value = -0.0 if jnp.issubdtype(g.dtype, jnp.inexact) else 0
-  return sharding.full_like_type(g, value, varying=varying)
 
 
 def _past_end(flag: np.ndarray, micro_step: np.ndarray, total_steps: int) -> None:
@@ -234,7 +227,7 @@ def accumulate_gradients(
                                                  array_args)))
 
     def zeros_like_grads():
-      return jax.tree.map(lambda g: _zero_update(g, update_axes), grads)
+      return jax.tree.map(lambda g: selective_update.neg_zeros_like(g, update_axes), grads)
 
     def divisor(dtype):
       if total_steps is None or total_steps % k == 0:

@@ -38,7 +38,7 @@ elemental code), which the compiled-versus-eager tests exercise.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,7 @@ from jax import lax
 
 from jaxamp._src import sharding
 
-AxisName = Union[Hashable, Sequence[Hashable], None]
+AxisName = sharding.AxisName
 
 _TWO_64 = 2.0**64
 # Scales at or above this have a reciprocal below the smallest normal float32.

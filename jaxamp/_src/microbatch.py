@@ -178,7 +178,7 @@ def microbatch_value_and_grad(
       if loss.shape != ():
         raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}")
       loss = loss.astype(_wider(loss.dtype, jnp.dtype(jnp.float32)))
-      scaled = loss if scale is None else loss * scale.astype(loss.dtype)
+      scaled = loss if scale is None else state_lib.multiply_by_scale(loss, scale)
       return scaled, (loss, aux)
 
     grad_fn = jax.grad(objective, has_aux=True)

@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src import finite
+from jaxamp._src import sharding
 
 _fused = os.environ.get("JAXAMP_FUSED_SELECTION", "1").strip().lower() not in ("0", "false", "no")
 _warned: set = set()
@@ -51,12 +52,15 @@ def set_fused_selection(enabled: bool) -> bool:
   return previous
 
 
-def neg_zeros_like(x: jax.Array) -> jax.Array:
-  """Zeros shaped like ``x``: ``-0.0`` for floats, as ``p + (-0.0)`` is ``p`` bit for bit."""
+def neg_zeros_like(x: jax.Array, varying: Optional[frozenset] = None) -> jax.Array:
+  """Zero updates shaped and sharded like ``x``: ``-0.0`` for floats, as ``p + (-0.0)`` is ``p``.
+
+  Inside ``shard_map`` they vary over ``varying`` (by default the axes ``x``
+  varies over; see :func:`jaxamp._src.sharding.full_like_type`).
+  """
   x = jnp.asarray(x)
-  if jnp.issubdtype(x.dtype, jnp.inexact):
-    return jnp.full_like(x, -0.0)  # full_like: sharded (and shard_map-typed) as x is
-  return jnp.zeros_like(x)
+  value = -0.0 if jnp.issubdtype(x.dtype, jnp.inexact) else 0
+  return sharding.full_like_type(x, value, varying=varying)
 
 
 def _keep(pred: jax.Array, new: Any, old: jax.Array) -> jax.Array:

@@ -105,7 +105,7 @@ def full_like_type(like: Any, value: Any, dtype: Any = None,
   if mesh is not None and AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
     out_sharding = sharding
   out = jnp.full(aval.shape, value, dtype, out_sharding=out_sharding)
-  return mark_varying(out, varying_axes(aval) if varying is None else varying)
+  return mark_varying(out, varying_axes(like) if varying is None else varying)
 
 
 def tracked_axes(axis_name: AxisName) -> tuple:

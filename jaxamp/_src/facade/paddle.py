@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._src import state as state_lib
 from jaxamp._src import loss_scale
 from jaxamp._src import validation
 from jaxamp._src.facade import scaler_core as core
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.scaled_loss import ScaledLoss
-from jaxamp._src.facade.scaled_loss import times_scale
 
 
 class GradScaler:
@@ -190,7 +190,7 @@ class GradScaler:
     if not self._enable:
       return var
     if core.is_array(var):
-      return times_scale(var, self._state.scale)
+      return state_lib.multiply_by_scale(var, self._state.scale)
     return ScaledLoss(var, self, bool(has_aux))
 
   # -- unscale / step / update ------------------------------------------------------------------

@@ -17,13 +17,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-
-def times_scale(loss: Any, scale: jax.Array) -> jax.Array:
-  """``loss * scale``, computed in float32 at least (half-precision and integer losses promoted)."""
-  loss = jnp.asarray(loss)
-  wide = jnp.issubdtype(loss.dtype, jnp.inexact) and jnp.finfo(loss.dtype).bits >= 32
-  dtype = loss.dtype if wide else jnp.dtype(jnp.float32)
-  return loss.astype(dtype) * scale.astype(dtype)
+from jaxamp._src import state as state_lib
 
 
 def divide(loss: Any, factor: jax.Array) -> jax.Array:
@@ -71,8 +65,8 @@ class ScaledLoss:
     scale = self.scale
     if self.has_aux:
       loss, aux = out
-      return times_scale(loss, scale), aux
-    return times_scale(out, scale)
+      return state_lib.multiply_by_scale(loss, scale), aux
+    return state_lib.multiply_by_scale(out, scale)
 
   def __eq__(self, other: Any) -> bool:
     return (type(other) is ScaledLoss and self.fn == other.fn and self.scaler is other.scaler

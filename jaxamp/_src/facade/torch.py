@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._src import state as state_lib
 from jaxamp._src import loss_scale
 from jaxamp._src import validation
 from jaxamp._src.facade import scaler_core as core
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.errors import NewScaleError
 from jaxamp._src.facade.scaled_loss import ScaledLoss
-from jaxamp._src.facade.scaled_loss import times_scale
 
 _NEW_SCALE_REASON = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                      "torch.FloatTensor with requires_grad=False.")
@@ -220,14 +220,14 @@ class GradScaler:
     if not self._enabled:
       return outputs
     if core.is_array(outputs):
-      return times_scale(outputs, self._scale_array())
+      return state_lib.multiply_by_scale(outputs, self._scale_array())
     if callable(outputs) and not isinstance(outputs, (list, tuple)):
       self._lazy_init_scale_growth_tracker()
       return ScaledLoss(outputs, self, bool(has_aux))
 
     def apply_scale(val: Any) -> Any:
       if core.is_array(val):
-        return times_scale(val, self._scale_array())
+        return state_lib.multiply_by_scale(val, self._scale_array())
       if isinstance(val, (list, tuple)):
         items = [apply_scale(v) for v in val]
         if isinstance(val, tuple) and hasattr(val, "_fields"):

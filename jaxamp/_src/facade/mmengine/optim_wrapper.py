@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp._src import state as state_lib
 from jaxamp._src import finite
 from jaxamp._src import selective_update
 from jaxamp._src import clipping
@@ -38,7 +39,6 @@ from jaxamp._src.facade.mmengine.jit_args import merge_call
 from jaxamp._src.facade.mmengine.jit_args import split_call
 from jaxamp._src.facade.scaled_loss import DividedLoss
 from jaxamp._src.facade.scaled_loss import divide
-from jaxamp._src.facade.scaled_loss import times_scale
 
 _unscale = jax.jit(finite.unscale)
 
@@ -330,7 +330,7 @@ class OptimWrapper:
         raise TypeError(f"loss_fn must return a scalar loss, got shape {loss.shape}")
       value = divide(loss, factor)
       if scale is not None:
-        value = times_scale(value, scale)
+        value = state_lib.multiply_by_scale(value, scale)
       return value, (loss, aux)
 
     return objective
