@@ -141,3 +141,76 @@ def test_step_metrics_are_device_scalars_and_include_a_recorded_grad_norm():
   state, metrics = step(state, {"w": jnp.array([jnp.inf, 1.0])})
   assert int(metrics["skipped_steps"]) == 1 and int(metrics["skip_streak"]) == 1
   assert float(metrics["loss_scale"]) == 2.0
+
+
+# ------------------------------------------------------------------------------- the facades
+
+W = {"enc": jnp.ones(3), "dec": jnp.ones(2)}
+
+
+def _nan_loss(p, x):
+  return jnp.sum(p["enc"] * x) + jnp.sum(p["dec"]) * jnp.nan  # dec's gradient is nan
+
+
+def _torch_loop(steps, **kwargs):
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), W)
+  scaler = jaxamp.GradScaler(**kwargs)
+  for _ in range(steps):
+    opt.zero_grad()
+    opt.backward(scaler.scale(_nan_loss), jnp.ones(3))
+    scaler.step(opt)
+    scaler.update()
+  return scaler
+
+
+def _paddle_loop(steps, **kwargs):
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), W)
+  scaler = jaxamp.paddle.GradScaler(**kwargs)
+  for _ in range(steps):
+    opt.backward(scaler.scale(_nan_loss), jnp.ones(3))
+    scaler.minimize(opt)
+    opt.zero_grad()
+  return scaler
+
+
+def _mmengine_loop(steps, **kwargs):
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), W, **kwargs)
+  for _ in range(steps):
+    wrapper.update_params(_nan_loss, jnp.ones(3))
+  return wrapper
+
+
+LOOPS = {"torch": _torch_loop, "paddle": _paddle_loop, "mmengine": _mmengine_loop}
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_a_loop_that_is_nan_at_every_scale_is_reported_by_default(loop):
+  with pytest.warns(jaxamp.StallWarning, match=r"steps were skipped.*\['dec'\]") as record:
+    LOOPS[loop](80, stall_after=20, stall_check_every=5)
+  assert len(record) == 1  # once per stall, not once per check
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_the_stall_can_raise_or_be_ignored(loop):
+  with pytest.raises(jaxamp.StalledError, match=r"\['dec'\]"):
+    LOOPS[loop](60, stall_after=10, stall_check_every=3, on_stall="raise")
+  LOOPS[loop](60, stall_after=10, stall_check_every=3, on_stall="ignore")  # no warning
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_the_default_facades_report_within_stall_after_plus_check_every_steps(loop):
+  with pytest.warns(jaxamp.StallWarning):
+    LOOPS[loop](jaxamp.dynamic_loss_scale.__kwdefaults__["stall_after"] + 12)
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_facades_give_step_metrics(loop):
+  source = LOOPS[loop](3, on_stall="ignore")
+  metrics = jax.device_get(jaxamp.step_metrics(source))
+  assert int(metrics["skipped_steps"]) == 3 and int(metrics["skip_streak"]) == 3
+  assert bool(metrics["skipped"]) and not bool(metrics["stalled"])
+
+
+def test_a_facade_with_an_unknown_on_stall_is_refused():
+  with pytest.raises(ValueError, match="on_stall must be one of"):
+    jaxamp.GradScaler(on_stall="shout")

@@ -85,3 +85,7 @@ class Optimizer(nnx.Optimizer):
   def skipped_steps(self) -> jax.Array:
     """Optimizer steps skipped so far for non-finite gradients."""
     return state_lib.skipped_steps(nnx.as_pure(self.opt_state))
+
+  def step_metrics(self) -> dict:
+    """:func:`jaxamp.step_metrics` of the optimizer state."""
+    return state_lib.step_metrics(nnx.as_pure(self.opt_state))

@@ -410,8 +410,12 @@ def skip_report(opt_state: optax.OptState, params: Any, *, counts: bool = False)
   return found if counts else [p for p, _, _ in found]
 
 
-def step_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
+def step_metrics(source: Any) -> dict[str, jax.Array]:
   """What a training loop logs about loss scaling, as device scalars (no host sync).
+
+  ``source`` is an optax state, or anything with a ``step_metrics()`` method:
+  ``jaxamp.TrainState``, ``jaxamp.nnx.Optimizer``, ``jaxamp.GradScaler``,
+  ``jaxamp.paddle.GradScaler`` and ``jaxamp.AmpOptimWrapper`` have one.
 
   ``loss_scale``, ``skipped`` (the last update), ``skipped_steps`` (as
   :func:`skipped_steps` counts them), ``skip_streak``, ``stalled`` and, when a
@@ -421,7 +425,7 @@ def step_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
   ``for k, v in jax.device_get(m).items(): writer.add_scalar(k, v, step)``.
 
   Raises:
-    ValueError: when ``opt_state`` holds no loss-scale state.
+    ValueError: when ``source`` holds no loss-scale state.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
@@ -430,6 +434,10 @@ def step_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     >>> sorted(jaxamp.step_metrics(state))
     ['loss_scale', 'skip_streak', 'skipped', 'skipped_steps', 'stalled']
   """
+  method = getattr(source, "step_metrics", None)
+  if callable(method):
+    return method()
+  opt_state = source
   node = get_loss_scale_state(opt_state)
   metrics = {"loss_scale": node.scale, "skipped": node.skipped,
              "skipped_steps": skipped_steps(opt_state), "skip_streak": node.skip_streak,

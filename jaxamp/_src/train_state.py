@@ -136,6 +136,10 @@ class TrainState:
     """Returns ``loss * loss_scale``, promoting a half-precision loss to float32."""
     return state_lib.multiply_by_scale(loss, self.loss_scale)
 
+  def step_metrics(self) -> dict:
+    """:func:`jaxamp.step_metrics` of :attr:`opt_state`."""
+    return state_lib.step_metrics(self.opt_state)
+
   @property
   def skipped_steps(self) -> jax.Array:
     """Optimizer steps skipped so far for non-finite gradients (see :func:`skipped_steps`)."""

@@ -18,6 +18,7 @@ from jaxamp._src import state as state_lib
 from jaxamp._src import loss_scale
 from jaxamp._src import validation
 from jaxamp._src.facade import scaler_core as core
+from jaxamp._src.facade import stall
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.scaled_loss import ScaledLoss
 
@@ -82,6 +83,10 @@ class GradScaler:
     :meth:`scale`).
   * Setters rebuild the static rule, so the next update compiles once more
     (cached per rule).
+  * With dynamic scaling, a run whose gradients stay inf or nan at every
+    scale is reported by :meth:`update` and :meth:`minimize`, as
+    :class:`jaxamp.GradScaler` reports it (``on_stall``, ``stall_after``,
+    ``stall_check_every``); Paddle skips silently, forever.
 
   Args:
     enable: whether to scale at all.
@@ -92,6 +97,10 @@ class GradScaler:
     incr_every_n_steps: consecutive finite steps before growing; >= 1.
     decr_every_n_nan_or_inf: consecutive bad steps before backing off; >= 1.
     use_dynamic_loss_scaling: ``False`` fixes the scale.
+    on_stall: ``'warn'``, ``'raise'`` or ``'ignore'``, as in
+      :class:`jaxamp.GradScaler`.
+    stall_after: consecutive skipped iterations that make a stall; >= 1.
+    stall_check_every: how often, in updates, the stall flag is read; >= 1.
 
   Raises:
     ValueError: also an ``AssertionError``, with Paddle's messages, for
@@ -117,8 +126,12 @@ class GradScaler:
   def __init__(self, enable: bool = True, init_loss_scaling: float = 32768.0,
                incr_ratio: float = 2.0, decr_ratio: float = 0.5,
                incr_every_n_steps: int = 1000, decr_every_n_nan_or_inf: int = 2,
-               use_dynamic_loss_scaling: bool = True) -> None:
+               use_dynamic_loss_scaling: bool = True, *, on_stall: str = "warn",
+               stall_after: int = loss_scale.DEFAULT_STALL_AFTER,
+               stall_check_every: int = 10) -> None:
     self._enable = validation.check_bool("enable", enable)
+    self._stall_after = validation.check_count("stall_after", stall_after)
+    self._monitor = stall.StallMonitor(on_stall, stall_check_every)
     validation.check_bool("use_dynamic_loss_scaling", use_dynamic_loss_scaling)
     self._use_dynamic_loss_scaling = False
     self._init_loss_scaling: Any = 1.0
@@ -251,8 +264,11 @@ class GradScaler:
   def _update(self) -> None:
     flags = tuple(self._pending) if self._pending else (self._last_found_inf,)
     rule = self._rule if self._rule is not None else self._make_rule()
-    self._state, self._last_found_inf = core.update_fn(rule)(self._state, flags)
+    self._state, self._last_found_inf = core.update_fn(rule, self._stall_after)(self._state, flags)
     self._pending = []
+    optimizers = self._stages.optimizers()
+    self._monitor.after_step(self._state.stalled, self._state.skip_streak,
+                             lambda: core.nonfinite_grad_leaves(optimizers))
 
   def update(self) -> None:
     """Updates the scale from the steps since the last update (dynamic scaling only)."""
@@ -285,6 +301,12 @@ class GradScaler:
       self._update()
     self._reset()
     return None
+
+  def step_metrics(self) -> dict:
+    """:func:`jaxamp.step_metrics`: the scale and the skip counters, as device scalars."""
+    if not self._enable:
+      raise ValueError("step_metrics needs loss scaling: this GradScaler is disabled")
+    return core.metrics(self._state)
 
   # -- getters and setters ----------------------------------------------------------------------
 

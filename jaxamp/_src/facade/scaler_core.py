@@ -42,11 +42,13 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Seque
 
 import jax
 import jax.numpy as jnp
+import optax
 import numpy as np
 
 from jaxamp._src import finite
 from jaxamp._src import loss_scale
 from jaxamp._src import validation
+from jaxamp._src.facade import stall
 
 
 class OptimizerHolder(Protocol):
@@ -73,17 +75,35 @@ class ScalerState(NamedTuple):
       changed (PyTorch's ``_growth_tracker``, Paddle's ``incr_count``).
     overflow_count: int32, consecutive non-finite iterations not yet acted on
       (Paddle's ``decr_count``; always 0 for PyTorch's rule).
+    skipped: bool, whether the last iteration found inf or nan.
+    skipped_steps: int32, iterations that found inf or nan, in total (saturates).
+    skip_streak: int32, consecutive such iterations up to the last one.
+    stalled: bool, whether ``skip_streak`` reached ``stall_after``, or the last
+      iteration found inf or nan at ``min_scale`` (see ``jaxamp.stalled``).
   """
 
   scale: jax.Array
   growth_tracker: jax.Array
   overflow_count: jax.Array
+  skipped: jax.Array
+  skipped_steps: jax.Array
+  skip_streak: jax.Array
+  stalled: jax.Array
 
 
 def make_state(scale: Any, growth_tracker: Any = 0, overflow_count: Any = 0) -> ScalerState:
-  """Builds a :class:`ScalerState` with explicit dtypes."""
+  """Builds a :class:`ScalerState` with explicit dtypes (no step skipped yet)."""
+  zero = jnp.zeros([], jnp.int32)
   return ScalerState(jnp.asarray(scale, jnp.float32), jnp.asarray(growth_tracker, jnp.int32),
-                     jnp.asarray(overflow_count, jnp.int32))
+                     jnp.asarray(overflow_count, jnp.int32), jnp.zeros([], jnp.bool_), zero, zero,
+                     jnp.zeros([], jnp.bool_))
+
+
+def metrics(state: ScalerState) -> dict:
+  """The ``jaxamp.step_metrics`` of a scaler facade's state (device scalars)."""
+  return {"loss_scale": state.scale, "skipped": state.skipped,
+          "skipped_steps": state.skipped_steps, "skip_streak": state.skip_streak,
+          "stalled": state.stalled}
 
 
 # -------------------------------------------------------------------------------------------------
@@ -105,6 +125,7 @@ class OptimizerRecord:
 
   stage: OptState = OptState.READY
   found_inf: Optional[jax.Array] = None
+  optimizer: Any = None
 
 
 class StageBook:
@@ -120,7 +141,9 @@ class StageBook:
 
   def record(self, optimizer: Any) -> OptimizerRecord:
     """The record of ``optimizer`` (READY when first seen)."""
-    return self._records[id(optimizer)]
+    record = self._records[id(optimizer)]
+    record.optimizer = optimizer
+    return record
 
   def check_unscale(self, optimizer: Any) -> OptimizerRecord:
     """The record of ``optimizer``; raises if it was already unscaled or stepped."""
@@ -142,6 +165,10 @@ class StageBook:
   def found_infs(self) -> tuple:
     """The ``found_inf`` flags recorded since the last reset, in order of first use."""
     return tuple(r.found_inf for r in self._records.values() if r.found_inf is not None)
+
+  def optimizers(self) -> list:
+    """The optimizers seen since the last reset, in order of first use."""
+    return [r.optimizer for r in self._records.values()]
 
   def reset(self) -> None:
     """Every optimizer back to READY, with no flag (what ``update()`` does)."""
@@ -236,14 +263,21 @@ def fused_step(optimizer: Any, scale: jax.Array, *, allow_float16: bool) -> Opti
   return apply_scaled(scale)
 
 
+def update_fn(rule: loss_scale.ScaleRule, stall_after: int = loss_scale.DEFAULT_STALL_AFTER
+              ) -> Callable[[ScalerState, Sequence[jax.Array]], tuple[ScalerState, jax.Array]]:
+  """The jitted scale update for one (static, hashable) rule, built once per rule."""
+  return _update_fn(rule, stall_after)
+
+
 @functools.lru_cache(maxsize=64)
-def update_fn(rule: loss_scale.ScaleRule) -> Callable[[ScalerState, Sequence[jax.Array]],
-                                                      tuple[ScalerState, jax.Array]]:
-  """The jitted scale update for one (static, hashable) rule, built once per rule.
+def _update_fn(rule: loss_scale.ScaleRule, stall_after: int
+               ) -> Callable[[ScalerState, Sequence[jax.Array]], tuple[ScalerState, jax.Array]]:
+  """See :func:`update_fn`.
 
   The returned function maps ``(state, found_infs)`` (a tuple of boolean
   scalars, one per optimizer checked this iteration) to ``(new_state,
-  found_inf)``, where ``found_inf`` is their OR.
+  found_inf)``, where ``found_inf`` is their OR. The skip counters and the
+  stall flag follow :func:`jaxamp.dynamic_loss_scale`'s.
   """
 
   @jax.jit
@@ -251,7 +285,12 @@ def update_fn(rule: loss_scale.ScaleRule) -> Callable[[ScalerState, Sequence[jax
     found = jnp.stack([jnp.asarray(f, jnp.bool_) for f in found_infs]).any()
     scale, tracker, overflow = rule.adjust(state.scale, state.growth_tracker,
                                            state.overflow_count, found)
-    return ScalerState(scale, tracker, overflow), found
+    streak = jnp.where(found, optax.safe_increment(state.skip_streak), 0).astype(jnp.int32)
+    at_floor = rule.dynamic and state.scale <= jnp.float32(rule.min_scale)
+    return ScalerState(
+        scale, tracker, overflow, found,
+        jnp.where(found, optax.safe_increment(state.skipped_steps), state.skipped_steps),
+        streak, found & ((streak >= stall_after) | at_floor)), found
 
   return update
 
@@ -289,3 +328,18 @@ def require_nonempty(state_dict: Mapping[str, Any], message: str) -> None:
   """Raises ``RuntimeError(message)`` for an empty state dict (one saved by a disabled scaler)."""
   if len(state_dict) == 0:
     raise RuntimeError(message)
+
+
+def nonfinite_grad_leaves(optimizers: Sequence[Any]) -> list:
+  """The gradient leaves holding inf or nan in each optimizer's ``grads`` (a host sync).
+
+  With several optimizers each path is prefixed by the optimizer's position.
+  """
+  names = []
+  for i, optimizer in enumerate(optimizers):
+    grads = getattr(optimizer, "grads", None)
+    if grads is None:
+      continue
+    prefix = f"optimizer {i}: " if len(optimizers) > 1 else ""
+    names.extend(prefix + name for name in stall.leaf_names_with_nonfinite(grads))
+  return names

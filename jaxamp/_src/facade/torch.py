@@ -20,6 +20,7 @@ from jaxamp._src import state as state_lib
 from jaxamp._src import loss_scale
 from jaxamp._src import validation
 from jaxamp._src.facade import scaler_core as core
+from jaxamp._src.facade import stall
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.errors import NewScaleError
 from jaxamp._src.facade.scaled_loss import ScaledLoss
@@ -100,6 +101,13 @@ class GradScaler:
     instead (``scaler.scale(loss_fn)``), whose scale is a traced argument.
   * ``device`` is accepted for signature compatibility; the state lives on
     JAX's default device and ``'cuda'`` does not disable the scaler.
+  * A run whose gradients stay inf or nan at every scale is reported: after
+    ``stall_after`` consecutive skipped iterations (or a skip at the
+    smallest scale) :meth:`update` warns with :class:`jaxamp.StallWarning`,
+    naming the gradient leaves that held inf or nan. It looks every
+    ``stall_check_every`` updates (one host sync per that many iterations).
+    ``on_stall='raise'`` raises :class:`jaxamp.StalledError` instead,
+    ``'ignore'`` stays silent. PyTorch skips silently, forever.
 
   Args:
     device: a device-type string, accepted and ignored (see above).
@@ -110,6 +118,10 @@ class GradScaler:
     enabled: ``False`` makes ``scale`` the identity, ``step`` an
       unconditional ``apply_gradients()``, the other methods no-ops,
       ``get_scale()`` 1.0 and ``state_dict()`` ``{}``.
+    on_stall: ``'warn'``, ``'raise'`` or ``'ignore'``: what :meth:`update`
+      does when the run is stalled (see above).
+    stall_after: consecutive skipped iterations that make a stall; >= 1.
+    stall_check_every: how often, in updates, the stall flag is read; >= 1.
 
   Raises:
     ValueError: also an ``AssertionError``, with PyTorch's messages, for
@@ -137,7 +149,9 @@ class GradScaler:
 
   def __init__(self, device: str = "cpu", init_scale: float = 2.0**16,
                growth_factor: float = 2.0, backoff_factor: float = 0.5,
-               growth_interval: int = 2000, enabled: bool = True) -> None:
+               growth_interval: int = 2000, enabled: bool = True, *, on_stall: str = "warn",
+               stall_after: int = loss_scale.DEFAULT_STALL_AFTER,
+               stall_check_every: int = 10) -> None:
     if not isinstance(device, str):
       raise TypeError(f"device must be a device-type string such as 'cpu' or 'cuda', "
                       f"got {device!r}")
@@ -150,6 +164,8 @@ class GradScaler:
     self._init_growth_tracker = 0
     self._state: Optional[core.ScalerState] = None
     self._stages = core.StageBook()
+    self._stall_after = validation.check_count("stall_after", stall_after)
+    self._monitor = stall.StallMonitor(on_stall, stall_check_every)
     if self._enabled:
       core.check_factor_types(growth_factor=growth_factor, backoff_factor=backoff_factor)
       if growth_factor <= 1.0:
@@ -341,8 +357,17 @@ class GradScaler:
       found_infs = self._stages.found_infs()
       if not found_infs:
         raise AssertionError("No inf checks were recorded prior to update.")
-      self._state, _ = core.update_fn(self._rule)(state, found_infs)
+      self._state, _ = core.update_fn(self._rule, self._stall_after)(state, found_infs)
+      optimizers = self._stages.optimizers()
+      self._monitor.after_step(self._state.stalled, self._state.skip_streak,
+                               lambda: core.nonfinite_grad_leaves(optimizers))
     self._stages.reset()
+
+  def step_metrics(self) -> dict:
+    """:func:`jaxamp.step_metrics`: the scale and the skip counters, as device scalars."""
+    if not self._enabled:
+      raise ValueError("step_metrics needs loss scaling: this GradScaler is disabled")
+    return core.metrics(self._lazy_init_scale_growth_tracker())
 
   # -- getters and setters ----------------------------------------------------------------------
 

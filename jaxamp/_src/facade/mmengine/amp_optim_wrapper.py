@@ -27,6 +27,7 @@ from jaxamp._src import policy as policy_lib
 from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionTypeError
 from jaxamp._src.facade.errors import AssertionValueError
+from jaxamp._src.facade import stall
 from jaxamp._src.facade.mmengine import sharding_pins
 from jaxamp._src.facade.mmengine.hyperparams import as_float
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
@@ -130,6 +131,14 @@ class AmpOptimWrapper(OptimWrapper):
     clip_grad: as :class:`OptimWrapper`.
     donate: as :class:`OptimWrapper` (buffer donation; invalidates arrays
       read from the wrapper at the next step).
+    on_stall: ``'warn'`` (the default), ``'raise'`` or ``'ignore'``: what a
+      step does once the run is stalled (``stall_after`` consecutive skipped
+      steps, or a skip at the smallest scale): warn with
+      :class:`jaxamp.StallWarning` or raise :class:`jaxamp.StalledError`,
+      naming the gradient leaves that held inf or nan. The flag is read every
+      ``stall_check_every`` steps, once computed (no wait on the device).
+    stall_after: consecutive skipped steps that make a stall; >= 1.
+    stall_check_every: how often, in steps, the stall flag is read; >= 1.
 
   Raises:
     TypeError: ``loss_scale`` of another type (mmengine's message) or
@@ -156,8 +165,11 @@ class AmpOptimWrapper(OptimWrapper):
   def __init__(self, optimizer: optax.GradientTransformation, params: Any, *,
                loss_scale: Union[str, float, dict] = "dynamic", dtype: Any = None,
                accumulative_counts: int = 1, clip_grad: Optional[dict] = None,
-               donate: bool = False):
+               donate: bool = False, on_stall: str = "warn",
+               stall_after: int = ls.DEFAULT_STALL_AFTER, stall_check_every: int = 10):
     self._scaler = parse_loss_scale(loss_scale)
+    self._stall_after = validation.check_count("stall_after", stall_after)
+    self._monitor = stall.StallMonitor(on_stall, stall_check_every)
     self.cast_dtype = self._parse_dtype(dtype)
     self._amp_policy = (None if self.cast_dtype is None else
                         policy_lib.Policy(jnp.float32, self.cast_dtype, jnp.float32))
@@ -186,11 +198,27 @@ class AmpOptimWrapper(OptimWrapper):
     if cfg.kind == "disabled":
       return inner
     if cfg.kind == "static":
-      return ls.static_loss_scale(inner, cfg.init_scale)
+      return ls.static_loss_scale(inner, cfg.init_scale, stall_after=self._stall_after)
     return ls.dynamic_loss_scale(
         inner, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
         backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval,
-        hysteresis=cfg.hysteresis, min_scale=cfg.min_scale, max_scale=cfg.max_scale)
+        hysteresis=cfg.hysteresis, min_scale=cfg.min_scale, max_scale=cfg.max_scale,
+        stall_after=self._stall_after)
+
+  def _commit_step(self, params: Any, state: Any, norm: Optional[jax.Array]) -> None:
+    super()._commit_step(params, state, norm)
+    if self._scaling:
+      self._monitor.after_step(state.stalled, state.skip_streak,
+                               lambda: state_lib.skip_report(self._state, self._params))
+
+  def step_metrics(self) -> dict:
+    """:func:`jaxamp.step_metrics` of the wrapper's state (the loss-scale metrics and the norm)."""
+    if not self._scaling:
+      raise ValueError("step_metrics needs loss scaling: this AmpOptimWrapper has it disabled")
+    metrics = state_lib.step_metrics(self._state)
+    if self._last_grad_norm is not None:
+      metrics["grad_norm"] = self._last_grad_norm
+    return metrics
 
   @property
   def _scaling(self) -> bool:

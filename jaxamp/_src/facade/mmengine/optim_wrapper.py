@@ -633,7 +633,7 @@ class OptimWrapper:
       out, params, state, norm = self._jitted(name)(
           self._params, self._state, buffer, dynamic, self._factor(factor), spec)
       self._counter.inner_count += 1
-      self._params, self._state, self._last_grad_norm = params, state, norm
+      self._commit_step(params, state, norm)
       self._grads = None
       self.zero_grad(**zero_kwargs)
       return out
