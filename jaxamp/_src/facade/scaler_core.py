@@ -335,7 +335,7 @@ def nonfinite_grad_leaves(optimizers: Sequence[Any]) -> list:
 
   With several optimizers each path is prefixed by the optimizer's position.
   """
-  names = []
+  names: list[str] = []
   for i, optimizer in enumerate(optimizers):
     grads = getattr(optimizer, "grads", None)
     if grads is None:

@@ -56,7 +56,7 @@ class StallMonitor:
     self._calls += 1
     if self._calls % self.check_every == 0 and self._kept is None:
       self._kept = (stalled, skip_streak)
-    if self._kept is None or not self._kept[0].is_ready():
+    if self._kept is None or not self._kept[0].is_ready():  # type: ignore[attr-defined]
       return
     (flag, streak), self._kept = self._kept, None
     if not bool(flag):
