@@ -132,3 +132,25 @@ def test_spirals_are_deterministic_and_balanced():
   assert min(counts) > 500
   with pytest.raises(ValueError, match="num_classes must be >= 2"):
     data.make_spirals(10, num_classes=1)
+
+
+def test_the_summary_names_the_leaves_of_the_last_skipped_step(demo_run):
+  summary = demo_run["metrics"]["summary"]
+  assert summary["last_skipped_step"] is not None and summary["last_skipped_leaves"]
+  assert all(name.startswith("['Dense_") for name in summary["last_skipped_leaves"])
+  assert f"the last (step {summary['last_skipped_step']}) had inf/nan" in demo_run["stdout"]
+  assert summary["stalled_steps"] == 0 and not any(demo_run["metrics"]["history"]["stalled"])
+
+
+def test_the_plot_marks_a_stall(demo_run, tmp_path, monkeypatch):
+  from jaxamp.demo import plot as plot_lib
+  metrics = json.loads(json.dumps(demo_run["metrics"]))
+  metrics["history"]["stalled"] = [step > 180 for step in metrics["history"]["step"]]
+  spans = []
+  import matplotlib.axes
+  real = matplotlib.axes.Axes.axvspan
+  monkeypatch.setattr(matplotlib.axes.Axes, "axvspan",
+                      lambda self, a, b, **kw: spans.append((a, b, kw.get("label"))) or
+                      real(self, a, b, **kw))
+  plot_lib.plot_training(metrics, str(tmp_path / "plot.png"))
+  assert (181, 200, "stalled: every step skipped") in spans

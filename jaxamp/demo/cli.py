@@ -105,7 +105,10 @@ def format_summary(metrics: dict, files: Sequence[str]) -> str:
       f"  loss            {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f} (train); "
       f"held-out {summary['eval_loss']:.4f}, accuracy {summary['initial_eval_accuracy']:.1%} -> "
       f"{summary['eval_accuracy']:.1%}",
-      f"  skipped steps   {summary['skipped_steps']}",
+      f"  skipped steps   {summary['skipped_steps']}" + (
+          f"; the last (step {summary['last_skipped_step']}) had inf/nan gradients in "
+          f"{', '.join(summary['last_skipped_leaves'])}" if summary["last_skipped_leaves"] else "")
+      + (f"; stalled for {summary['stalled_steps']} steps" if summary["stalled_steps"] else ""),
       f"  loss scale      {scaling}",
       f"  speed           {summary['steps_per_second']:.1f} optimizer steps/s "
       f"({summary['micro_steps_per_second']:.1f} micro-steps/s); "
@@ -142,6 +145,8 @@ def main(argv: Optional[Sequence[str]] = None, *, stdout: Optional[TextIO] = Non
       status = f"loss {latest['loss']:.4f}"
       if config.loss_scale:
         status += f" | scale {plot_lib.power_of_two(latest['scale'])} | skipped {latest['skipped']}"
+        if latest["last_skip"]:
+          status += f" (last in {latest['last_skip'][0]})"
       bar.update(task, completed=done, status=status)
 
   print(f"Training for {config.steps} steps in {config.dtype} on "

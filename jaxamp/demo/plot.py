@@ -98,6 +98,12 @@ def plot_training(metrics: dict[str, Any], path: str, *, grid: Any = None,
     for s in steps[skipped]:
       ax_loss.axvline(s, color="#d62728", alpha=0.25, linewidth=0.8)
     ax_loss.plot([], [], color="#d62728", alpha=0.5, label="skipped step (overflow)")
+  stalled = np.asarray(history.get("stalled", [False] * len(steps)), bool)
+  if stalled.any():
+    first = steps[stalled][0]
+    for ax in (ax_loss, ax_scale):
+      ax.axvspan(first, steps[-1], color="#7f7f7f", alpha=0.2,
+                 label="stalled: every step skipped" if ax is ax_loss else None)
   positive = loss[np.isfinite(loss) & (loss > 0)]
   if positive.size and positive.max() / positive.min() > 20:
     ax_loss.set_yscale("log")

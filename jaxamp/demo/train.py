@@ -197,6 +197,8 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
   state = jaxamp.TrainState.create(apply_fn=model.apply, params=params,
                                    tx=make_optimizer(config))
   num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+  leaf_paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+  num_leaves = len(leaf_paths)
 
   def train_step(state, micro_step, x_all, y_all):
     index = jax.random.randint(jax.random.fold_in(batch_key, micro_step), (config.batch_size,),
@@ -210,7 +212,12 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
     grads, loss = jax.grad(loss_fn, has_aux=True)(state.params)
     used_scale = state.loss_scale
     state = state.apply_gradients(grads=grads)
-    return state, (loss, used_scale, state.skipped_steps)
+    if config.loss_scale:
+      health = jaxamp.get_loss_scale_state(state.opt_state)
+      stalled, bad = health.stalled, health.inf_counts + health.nan_counts
+    else:
+      stalled, bad = jnp.zeros([], bool), jnp.zeros([num_leaves], jnp.int32)
+    return state, (loss, used_scale, state.skipped_steps, stalled, bad)
 
   def evaluate(params, x, y):
     logits = model.apply({"params": params}, x).astype(jnp.float32)
@@ -228,12 +235,17 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
   pending_evals = [(0, eval_fn(state.params, eval_x, eval_y))]
 
   pending: list[Any] = []   # device metrics of micro-steps not yet read back
-  micro: list[tuple[float, float, int]] = []
+  micro: list[tuple[float, float, int, bool]] = []
   evals: list[tuple[int, float, float]] = []
+  last_skip: dict[str, Any] = {}  # the micro-step and leaves of the last skipped step
 
   def drain():
     values = jax.device_get(pending)
-    micro.extend((float(loss), float(s), int(n)) for loss, s, n in values)
+    for loss, s, n, stalled, bad in values:
+      if micro and int(n) > micro[-1][2] or not micro and int(n) > 0:
+        last_skip.update(micro_step=len(micro) + 1,
+                         leaves=[p for p, c in zip(leaf_paths, bad) if c > 0])
+      micro.append((float(loss), float(s), int(n), bool(stalled)))
     pending.clear()
     for step, (loss, acc) in jax.device_get(pending_evals):
       evals.append((step, float(loss), float(acc)))
@@ -258,7 +270,7 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
         done = len(micro) // k
         window = micro[(done - 1) * k:done * k]
         report(done, {"loss": float(np.mean([m[0] for m in window])), "scale": window[-1][1],
-                      "skipped": window[-1][2]})
+                      "skipped": window[-1][2], "last_skip": last_skip.get("leaves", [])})
   jax.block_until_ready(state)
   drain()
   seconds = time.perf_counter() - start
@@ -267,6 +279,7 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
   scales = np.asarray([m[1] for m in micro], np.float64).reshape(config.steps, k)[:, 0]
   skipped_total = np.asarray([m[2] for m in micro], np.int64).reshape(config.steps, k)[:, -1]
   skipped = np.diff(np.concatenate([[0], skipped_total])) > 0
+  stalled = np.asarray([m[3] for m in micro], bool).reshape(config.steps, k)[:, -1]
   window_loss = losses.mean(axis=1)
   final_scale = float(state.loss_scale)
   scale_path = np.concatenate([scales, [final_scale]])
@@ -286,6 +299,10 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
       "applied_steps": int(state.step),
       "micro_steps": config.steps * k,
       "skipped_steps": int(skipped.sum()),
+      "last_skipped_step": (None if not last_skip
+                            else (last_skip["micro_step"] - 1) // k + 1),
+      "last_skipped_leaves": last_skip.get("leaves", []),
+      "stalled_steps": int(stalled.sum()),
       "initial_scale": float(scales[0]),
       "final_scale": final_scale,
       "scale_changes": ups + downs,
@@ -310,6 +327,7 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
           "loss": window_loss.tolist(),
           "scale": scales.tolist(),
           "skipped": skipped.tolist(),
+          "stalled": stalled.tolist(),
       },
       "eval": {"step": [e[0] for e in evals], "loss": [e[1] for e in evals],
                "accuracy": [e[2] for e in evals]},
