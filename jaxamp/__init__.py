@@ -36,6 +36,7 @@ from jaxamp._src.state import skipped_steps
 from jaxamp._src.state import stalled
 from jaxamp._src.state import step_metrics
 from jaxamp._src.state import update_applied
+from jaxamp._src.state import upgrade_opt_state
 from jaxamp._src.train_state import TrainState
 
 __version__ = "0.1.0"
@@ -78,4 +79,5 @@ __all__ = (
     "step_metrics",
     "total_grad_norm",
     "update_applied",
+    "upgrade_opt_state",
 )

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -214,3 +215,40 @@ def test_facades_give_step_metrics(loop):
 def test_a_facade_with_an_unknown_on_stall_is_refused():
   with pytest.raises(ValueError, match="on_stall must be one of"):
     jaxamp.GradScaler(on_stall="shout")
+
+
+# ------------------------------------------------------------------ state dicts and checkpoints
+
+
+def test_the_new_fields_round_trip_through_flax_serialization():
+  from flax import serialization
+  params = {"w": jnp.ones(3)}
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9))
+  state = tx.init(params)
+  _, state = jax.jit(tx.update)({"w": jnp.array([1.0, jnp.nan, jnp.inf])}, state, params)
+  restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(state))
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+  assert jaxamp.skip_report(restored, params, counts=True) == [("['w']", 1, 1)]
+
+
+def test_an_old_checkpoint_fails_clearly_and_upgrades(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params = {"w": jnp.ones(3)}
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9))
+  state = tx.init(params)
+  _, state = jax.jit(tx.update)({"w": jnp.ones(3)}, state, params)
+  # What an earlier jaxamp wrote: the loss-scale state without the diagnostic fields.
+  old = {k: v for k, v in state._asdict().items()
+         if k not in ("skip_streak", "stalled", "inf_counts", "nan_counts")}
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "old", old)
+  checkpointer.wait_until_finished()
+  with pytest.raises(Exception, match="stalled"):  # orbax names the missing fields
+    checkpointer.restore(tmp_path / "old", tx.init(params))
+  upgraded = jaxamp.upgrade_opt_state(checkpointer.restore(tmp_path / "old"), tx.init(params))
+  assert jax.tree.structure(upgraded) == jax.tree.structure(state)
+  for a, b in zip(jax.tree.leaves(upgraded), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="expected the fields of LossScaleState"):
+    jaxamp.upgrade_opt_state([1, 2], tx.init(params))

@@ -446,3 +446,50 @@ def step_metrics(source: Any) -> dict[str, jax.Array]:
   if clips:
     metrics["grad_norm"] = clips[0].total_norm
   return metrics
+
+
+def upgrade_opt_state(restored: Any, template: optax.OptState) -> optax.OptState:
+  """Rebuilds an optimizer state restored without a target, filling fields it lacks from ``template``.
+
+  A checkpoint written by an earlier jaxamp holds a :class:`LossScaleState`
+  without the fields added since (``skip_streak``, ``stalled``,
+  ``inf_counts``, ``nan_counts``); restoring it into a new state as target
+  fails with a list of the missing fields. Restore it without a target
+  instead (orbax gives nested dicts keyed by field name, and lists for
+  tuples) and pass the result here with ``tx.init(params)`` as ``template``:
+  every value found in ``restored`` is kept (cast to the template's dtype),
+  every field missing is the template's.
+
+  Raises:
+    ValueError: when ``restored`` does not have the template's shape at a
+      node (a different optimizer, or other parameters).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> template = jaxamp.dynamic_loss_scale(optax.sgd(0.1)).init({'w': jnp.zeros(2)})
+    >>> old = {'scale': 1024.0, 'growth_tracker': 5, 'overflow_count': 0, 'skipped': False,
+    ...        'skipped_steps': 3, 'inner_state': [{}, {}]}
+    >>> state = jaxamp.upgrade_opt_state(old, template)
+    >>> state.scale, state.skipped_steps, state.skip_streak
+    (Array(1024., dtype=float32), Array(3, dtype=int32), Array(0, dtype=int32))
+  """
+
+  def build(raw: Any, node: Any, where: str) -> Any:
+    if not jax.tree.leaves(node):  # None, EmptyState(), empty containers: nothing to restore
+      return node
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+      if not isinstance(raw, dict):
+        raise ValueError(f"{where or 'the state'}: expected the fields of "
+                         f"{type(node).__name__}, got {type(raw).__name__}")
+      return type(node)(*[build(raw[f], getattr(node, f), f"{where}.{f}") if f in raw
+                          else getattr(node, f) for f in node._fields])
+    if isinstance(node, (list, tuple)):
+      items = list(raw.values()) if isinstance(raw, dict) else raw
+      if len(items) != len(node):
+        raise ValueError(f"{where or 'the state'}: expected {len(node)} entries, got {len(items)}")
+      return type(node)(build(r, n, f"{where}[{i}]") for i, (r, n) in enumerate(zip(items, node)))
+    if isinstance(node, dict):
+      return {k: build(raw[k], v, f"{where}[{k!r}]") if k in raw else v for k, v in node.items()}
+    return jnp.asarray(raw, jnp.result_type(node)).reshape(jnp.shape(node))
+
+  return build(restored, template, "")
