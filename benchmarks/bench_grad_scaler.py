@@ -13,7 +13,9 @@ million by default) with Adam and dynamic loss scaling, written four ways:
 - ``torch_donate``, ``paddle_donate``: the same loops with
   ``OptimWrapper(..., donate=True)`` (params and optimizer state updated in
   place, as the core's are);
-- ``adam``: the core step without loss scaling, for scale.
+- ``adam``: the core step without loss scaling, for scale;
+- ``torch_no_watch``: ``torch_style`` with ``on_stall='ignore'``, to show
+  what watching for a stalled run costs.
 
 Each is printed as a ratio to ``core`` (target for the scaler loops: 1.10x).
 
@@ -100,9 +102,10 @@ def main() -> None:
     jax.block_until_ready(plain["params"])
 
   # -- the PyTorch-style loop (default holder, and one with donate=True).
-  def torch_style(donate):
+  def torch_style(donate, on_stall="warn"):
     opt = jaxamp.OptimWrapper(optax.adam(1e-4), _copy(params0), donate=donate)
-    scaler = jaxamp.GradScaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    scaler = jaxamp.GradScaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL,
+                               on_stall=on_stall)
 
     def run():
       opt.zero_grad()
@@ -132,7 +135,8 @@ def main() -> None:
   medians = interleaved_medians(
       {"core": run_core, "torch_style": torch_style(False),
        "torch_donate": torch_style(True), "paddle_style": paddle_style(False),
-       "paddle_donate": paddle_style(True), "adam": run_adam},
+       "paddle_donate": paddle_style(True), "adam": run_adam,
+       "torch_no_watch": torch_style(False, on_stall="ignore")},
       rounds=args.rounds, inner=args.inner)
   for name, value in medians.items():
     print(f"  {name:<13} {value * 1e3:8.2f} ms")
