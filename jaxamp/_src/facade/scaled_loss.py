@@ -41,7 +41,10 @@ class ScaledLoss:
   scaled. Losses in float16/bfloat16 are promoted to float32 first.
 
   The scaler is any object with a ``_scale_array()`` method returning its
-  current scale as a float32 device scalar.
+  current scale as a float32 device scalar. If it also has a ``using_scale``
+  context manager, the call runs inside ``using_scale(scale)``, so that code
+  in ``fn`` that asks the scaler for its scale gets the one ``fn`` is scaled
+  by (traced, inside a jitted backward pass).
   """
 
   __slots__ = ("fn", "scaler", "has_aux", "_scale")
@@ -61,8 +64,14 @@ class ScaledLoss:
     return self._scale
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    out = self.fn(*args, **kwargs)
     scale = self.scale
+    using = getattr(self.scaler, "using_scale", None)
+    if using is None:
+      out = self.fn(*args, **kwargs)
+    else:
+      # Inside, the scaler's scale() and get_scale() use this (traced) scale.
+      with using(scale):
+        out = self.fn(*args, **kwargs)
     if self.has_aux:
       loss, aux = out
       return state_lib.multiply_by_scale(loss, scale), aux

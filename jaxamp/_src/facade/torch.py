@@ -9,6 +9,7 @@ spelled ``opt.backward(scaler.scale(loss_fn), batch)``.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from typing import Any, Optional
 
@@ -30,6 +31,17 @@ _NEW_SCALE_REASON = ("new_scale should be a float or a 1-element torch.cuda.Floa
 
 _NOT_SCALED_FIX = ("This may indicate your script did not use scaler.scale(loss or outputs) "
                    "earlier in the iteration.")
+_FROZEN_FIX = (
+    "GradScaler.{what} was called while JAX traces a function: its scale would be frozen into "
+    "the compiled code at its current value. Call it from a loss function that the scaler "
+    "scales, opt.backward(scaler.scale(loss_fn), ...): inside loss_fn, scaler.scale(x) and "
+    "scaler.get_scale() use the scale passed into the traced call. In your own jitted "
+    "function, pass scaler.state.scale in as an argument and multiply by it.")
+
+
+def _tracing() -> bool:
+  """Whether JAX is tracing a function to compile it (a new array is then a tracer)."""
+  return isinstance(jnp.zeros(()), jax.core.Tracer)
 
 
 class GradScaler:
@@ -164,6 +176,7 @@ class GradScaler:
     self._init_growth_tracker = 0
     self._state: Optional[core.ScalerState] = None
     self._stages = core.StageBook()
+    self._scales_in_use: list[jax.Array] = []
     self._stall_after = validation.check_count("stall_after", stall_after)
     self._monitor = stall.StallMonitor(on_stall, stall_check_every)
     if self._enabled:
@@ -205,10 +218,33 @@ class GradScaler:
     """The current scale as a device scalar (creating the state if needed)."""
     return self._lazy_init_scale_growth_tracker().scale
 
+  @contextlib.contextmanager
+  def using_scale(self, scale: jax.Array):
+    """Inside, :meth:`scale` and :meth:`get_scale` use ``scale`` (a :class:`ScaledLoss` call's)."""
+    self._scales_in_use.append(scale)
+    try:
+      yield
+    finally:
+      self._scales_in_use.pop()
+
+  def _current_scale(self, what: str) -> jax.Array:
+    """The scale in use, or the state's (refused while tracing: it would be frozen)."""
+    if self._scales_in_use:
+      return self._scales_in_use[-1]
+    if _tracing():
+      raise RuntimeError(_FROZEN_FIX.format(what=what))
+    return self._scale_array()
+
   @property
   def state(self) -> Optional[core.ScalerState]:
-    """The device state (``None`` before the first :meth:`scale`, or when disabled)."""
-    return self._state
+    """The device state; ``None`` when disabled.
+
+    Created by the first access (or the first :meth:`scale`), so that the
+    scale can be passed into a jitted function from the first iteration on.
+    """
+    if not self._enabled:
+      return None
+    return self._lazy_init_scale_growth_tracker()
 
   # -- scaling ----------------------------------------------------------------------------------
 
@@ -235,15 +271,16 @@ class GradScaler:
     """
     if not self._enabled:
       return outputs
-    if core.is_array(outputs):
-      return state_lib.multiply_by_scale(outputs, self._scale_array())
-    if callable(outputs) and not isinstance(outputs, (list, tuple)):
+    if callable(outputs) and not isinstance(outputs, (list, tuple)) and not core.is_array(outputs):
       self._lazy_init_scale_growth_tracker()
       return ScaledLoss(outputs, self, bool(has_aux))
+    scale = self._current_scale("scale")
+    if core.is_array(outputs):
+      return state_lib.multiply_by_scale(outputs, scale)
 
     def apply_scale(val: Any) -> Any:
       if core.is_array(val):
-        return state_lib.multiply_by_scale(val, self._scale_array())
+        return state_lib.multiply_by_scale(val, scale)
       if isinstance(val, (list, tuple)):
         items = [apply_scale(v) for v in val]
         if isinstance(val, tuple) and hasattr(val, "_fields"):
@@ -371,10 +408,21 @@ class GradScaler:
 
   # -- getters and setters ----------------------------------------------------------------------
 
-  def get_scale(self) -> float:
-    """The current scale as a Python float (a host sync), 1.0 when disabled."""
+  def get_scale(self) -> Any:
+    """The current scale as a Python float (a host sync), 1.0 when disabled.
+
+    Inside a loss function that this scaler scales (``scaler.scale(loss_fn)``),
+    the scale that call multiplies by: a traced array while the backward pass
+    is compiled, so ``1. / scaler.get_scale()`` follows the scale from step to
+    step (PyTorch's gradient-penalty recipe). Anywhere else inside a traced
+    function it raises, as the value would be frozen at trace time.
+    """
     if not self._enabled:
       return 1.0
+    if self._scales_in_use:
+      return self._scales_in_use[-1]
+    if _tracing():
+      raise RuntimeError(_FROZEN_FIX.format(what="get_scale()"))
     if self._state is None:
       return float(self._init_scale)
     return float(self._state.scale)

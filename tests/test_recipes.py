@@ -1,0 +1,70 @@
+"""PyTorch's AMP recipes, ported as written, with jaxamp.GradScaler and jaxamp.OptimWrapper."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+
+W0 = {"w": jnp.array([[0.5, -1.0], [2.0, 0.25]]), "b": jnp.array([0.1, -0.2])}
+X = jnp.array([[1.0, 2.0], [-0.5, 0.3], [0.7, -1.2]])
+
+
+def loss_fn(params, x):
+  return jnp.mean(jnp.tanh(x @ params["w"] + params["b"][None, :]) ** 2)
+
+
+def penalized_loss(scaler):
+  """PyTorch's gradient-penalty recipe: the penalty of the gradients of the *scaled* loss."""
+
+  def loss(params, x):
+    scaled_grads = jax.grad(lambda p: scaler.scale(loss_fn(p, x)))(params)  # scaler.scale(loss)
+    inv_scale = 1.0 / scaler.get_scale()
+    grads = jax.tree.map(lambda g: g * inv_scale, scaled_grads)
+    grad_norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+    return loss_fn(params, x) + grad_norm
+
+  return loss
+
+
+def _reference_penalty(params, x):
+  grads = jax.grad(loss_fn)(params, x)
+  return loss_fn(params, x) + jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+
+
+def test_gradient_penalty_follows_the_scale_from_step_to_step():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
+  scaler = jaxamp.GradScaler(init_scale=2.0**16, growth_interval=1)
+  ref = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
+  for step in range(6):
+    opt.zero_grad()
+    opt.backward(scaler.scale(penalized_loss(scaler)), X)
+    scaler.step(opt)
+    scaler.update()
+    ref.zero_grad()
+    ref.backward(_reference_penalty, X)
+    ref.step()
+    for a, b in zip(jax.tree.leaves(opt.params), jax.tree.leaves(ref.params)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, err_msg=f"step {step}")
+  assert scaler.get_scale() == 2.0**22  # grew every step: nothing was frozen or skipped
+
+
+def test_the_scale_read_inside_ones_own_jit_is_refused_with_the_fix():
+  scaler = jaxamp.GradScaler()
+
+  @jax.jit
+  def frozen(x):
+    return scaler.scale(x) * (1.0 / scaler.get_scale())
+
+  with pytest.raises(RuntimeError, match=r"would be frozen.*scaler.state.scale"):
+    frozen(jnp.float32(1.0))
+
+  @jax.jit
+  def passed(x, scale):  # the fix the message names
+    return x * scale
+
+  assert float(passed(jnp.float32(1.0), scaler.state.scale)) == 2.0**16
