@@ -12,6 +12,7 @@ from jaxamp._src.facade.mmengine.amp_optim_wrapper import AmpOptimWrapper
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
 from jaxamp._src.facade.mmengine.optim_wrapper_dict import OptimWrapperDict
 from jaxamp._src.facade.torch import GradScaler
+from jaxamp._src.facade.torch import clip_grad_norm_
 from jaxamp._src.loss_scale import dynamic_loss_scale
 from jaxamp._src.loss_scale import static_loss_scale
 from jaxamp._src.microbatch import microbatch_value_and_grad
@@ -59,6 +60,7 @@ __all__ = (
     "all_finite",
     "build_optim_wrapper",
     "clip_grad_norm",
+    "clip_grad_norm_",
     "clip_grad_value",
     "dynamic_loss_scale",
     "get_accumulation_state",

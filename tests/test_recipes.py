@@ -68,3 +68,22 @@ def test_the_scale_read_inside_ones_own_jit_is_refused_with_the_fix():
     return x * scale
 
   assert float(passed(jnp.float32(1.0), scaler.state.scale)) == 2.0**16
+
+
+def test_unscale_clip_step_ports_line_by_line():
+  """PyTorch's gradient-clipping recipe: unscale_, clip_grad_norm_ on the grads, step."""
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
+  scaler = jaxamp.GradScaler(init_scale=1024.0)
+  opt.backward(scaler.scale(loss_fn), X)
+  scaler.unscale_(opt)
+  norm = jaxamp.clip_grad_norm_(opt, 0.01)
+  scaler.step(opt)
+  scaler.update()
+  grads = jax.grad(loss_fn)(W0, X)
+  want_norm = jaxamp.total_grad_norm(grads)
+  np.testing.assert_allclose(norm, want_norm, rtol=1e-6)
+  clipped, _ = jaxamp.clip_grad_norm(0.01).update(grads, jaxamp.clip_grad_norm(0.01).init(grads))
+  for p, w, g in zip(jax.tree.leaves(opt.params), jax.tree.leaves(W0), jax.tree.leaves(clipped)):
+    np.testing.assert_allclose(p, w - 0.1 * g, rtol=1e-5)
+  with pytest.raises(TypeError, match="use the jaxamp.clip_grad_norm transformation"):
+    jaxamp.clip_grad_norm_(grads, 1.0)

@@ -10,6 +10,7 @@ spelled ``opt.backward(scaler.scale(loss_fn), batch)``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 from typing import Any, Optional
 
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._src import clipping
 from jaxamp._src import state as state_lib
 from jaxamp._src import loss_scale
 from jaxamp._src import validation
@@ -517,3 +519,61 @@ class GradScaler:
     self._init_growth_tracker = tracker
     if self._state is not None:
       self._state = core.make_state(scale, tracker, self._state.overflow_count)
+
+
+@functools.partial(jax.jit, static_argnames="norm_type")
+def _clip_by_total_norm(grads: Any, max_norm: jax.Array, norm_type: float) -> tuple[Any, jax.Array]:
+  norm = clipping.total_grad_norm(grads, norm_type)
+  coef = jnp.minimum(max_norm / (norm + jnp.float32(1e-6)), jnp.float32(1.0))
+  clipped = jax.tree.map(
+      lambda g: (g.astype(jnp.float32) * coef).astype(g.dtype)
+      if jnp.issubdtype(g.dtype, jnp.inexact) else g, grads)
+  return clipped, norm
+
+
+def clip_grad_norm_(optimizer: Any, max_norm: float, norm_type: float | str = 2.0) -> jax.Array:
+  """``torch.nn.utils.clip_grad_norm_`` on an optimizer holder's gradients, in place.
+
+  The literal port of PyTorch's "unscale, clip, step" recipe::
+
+    scaler.unscale_(opt)
+    jaxamp.clip_grad_norm_(opt, max_norm)   # torch.nn.utils.clip_grad_norm_(params, max_norm)
+    scaler.step(opt)
+
+  Clips ``optimizer.grads`` with PyTorch's arithmetic (see
+  :func:`jaxamp.clip_grad_norm`) and returns the total norm before clipping,
+  as a device scalar (no host sync). Non-finite gradients give a non-finite
+  norm and coefficient, as in PyTorch; the scaler then skips the step.
+
+  Args:
+    optimizer: an optimizer holder with settable ``grads``
+      (:class:`jaxamp.OptimWrapper`).
+    max_norm: the largest total norm allowed.
+    norm_type: the order of the norm: a float, or ``'inf'``.
+
+  Returns:
+    The total norm of the gradients before clipping.
+
+  Raises:
+    TypeError: when ``optimizer`` holds no ``grads`` (a pytree of gradients
+      cannot be changed in place: use :func:`jaxamp.clip_grad_norm`).
+    ValueError: when there are no gradients to clip.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> opt = jaxamp.OptimWrapper(optax.sgd(0.1), {'w': jnp.zeros(2)})
+    >>> opt.grads = {'w': jnp.array([3.0, 4.0])}
+    >>> jaxamp.clip_grad_norm_(opt, 1.0), opt.grads['w']
+    (Array(5., dtype=float32), Array([0.5999999 , 0.79999983], dtype=float32))
+  """
+  if not hasattr(optimizer, "grads"):
+    raise TypeError(f"clip_grad_norm_ clips an optimizer holder's grads in place, got "
+                    f"{type(optimizer).__name__}; for a pytree of gradients use the "
+                    "jaxamp.clip_grad_norm transformation")
+  grads = optimizer.grads
+  if grads is None:
+    raise ValueError("the optimizer holds no gradients to clip (call backward first)")
+  max_norm_ = jnp.float32(validation.check_real("max_norm", max_norm))
+  clipped, norm = _clip_by_total_norm(grads, max_norm_, clipping.norm_order(norm_type))
+  optimizer.grads = clipped
+  return norm
