@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import sys
 from typing import Any, Callable
 
 import jax
@@ -10,9 +12,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._src import state as state_lib
+from jaxamp._src import validation
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
   """A train state for Flax Linen (or any functional model) with loss scaling built in.
@@ -38,12 +40,18 @@ class TrainState:
 
   ``apply_fn`` and ``tx`` are static (part of the tree structure); the other
   fields are pytree data. To add fields (``batch_stats`` for BatchNorm, say),
-  subclass and register the subclass the same way::
+  subclass it as flax's is subclassed::
 
-    @jax.tree_util.register_dataclass
-    @dataclasses.dataclass(frozen=True)
     class State(jaxamp.TrainState):
       batch_stats: Any
+
+    state = State.create(apply_fn=..., params=..., tx=..., batch_stats=...)
+
+  :meth:`create` makes the subclass a frozen dataclass and a registered
+  pytree if it is not one yet (decorating it yourself works too). In a
+  program that imports flax before creating the state, states (subclasses
+  included) serialize with ``flax.serialization.to_bytes``/``from_bytes``
+  and ``to_state_dict`` (jaxamp never imports flax on its own).
 
   Attributes:
     step: int32 scalar, the number of applied updates (saturates).
@@ -98,10 +106,39 @@ class TrainState:
     Raises:
       TypeError: when ``tx`` is not an optax transformation.
     """
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    if not validation.is_gradient_transformation(tx):
       raise TypeError(f"tx must be an optax GradientTransformation, got {tx!r}")
+    _make_pytree(cls)
     return cls(step=jnp.zeros([], jnp.int32), apply_fn=apply_fn, params=params, tx=tx,
                opt_state=tx.init(params), **kwargs)
+
+  def value_and_grad(self, fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False,
+                     axis_name: Any = None) -> Callable[..., tuple[Any, Any]]:
+    """``jax.value_and_grad`` of ``fun`` times the loss scale: the drop-in for flax's ``DynamicScale``.
+
+    Returns a function that gives ``(value, grads)``: ``value`` is ``fun``'s
+    own (unscaled) output, ``(loss, aux)`` with ``has_aux``, and ``grads`` the
+    gradients of the scaled loss, averaged over ``axis_name`` (``lax.pmean``)
+    when given, ready for :meth:`apply_gradients`, which unscales, checks and
+    skips. Flax's ``dynamic_scale.value_and_grad(fun, has_aux=True)(params)``
+    returns ``(dynamic_scale, is_fin, aux, grads)`` instead: here the scale and
+    the decision live in ``opt_state``.
+    """
+
+    def scaled(*args: Any) -> Any:
+      out = fun(*args)
+      loss, aux = out if has_aux else (out, None)
+      return self.scale_loss(loss), (loss, aux)
+
+    grad_fn = jax.grad(scaled, argnums, has_aux=True)
+
+    def wrapped(*args: Any) -> tuple[Any, Any]:
+      grads, (loss, aux) = grad_fn(*args)
+      if axis_name is not None:
+        grads = jax.lax.pmean(grads, axis_name)
+      return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
 
   def apply_gradients(self, *, grads: Any, **kwargs: Any) -> "TrainState":
     """Runs ``tx.update`` and applies the updates; ``step`` advances only if applied.
@@ -144,3 +181,45 @@ class TrainState:
   def skipped_steps(self) -> jax.Array:
     """Optimizer steps skipped so far for non-finite gradients (see :func:`skipped_steps`)."""
     return state_lib.skipped_steps(self.opt_state)
+
+
+def _make_pytree(cls: type) -> None:
+  """Makes a subclass of :class:`TrainState` a frozen dataclass and a registered pytree."""
+  if "__dataclass_params__" not in cls.__dict__:
+    dataclasses.dataclass(frozen=True)(cls)
+  try:
+    jax.tree_util.register_dataclass(cls)
+  except ValueError:  # registered already (by its own decorator, or an earlier create)
+    pass
+  serialization = _flax_serialization()
+  if serialization is not None:
+    serialization.register_serialization_state(cls, _to_state_dict, _from_state_dict, override=True)
+
+
+def _flax_serialization() -> Any:
+  """``flax.serialization`` when the program uses flax (never imports flax on its own)."""
+  if "flax" not in sys.modules:
+    return None
+  return importlib.import_module("flax.serialization")
+
+
+def _data_fields(state: Any) -> list[str]:
+  return [f.name for f in dataclasses.fields(state) if not f.metadata.get("static")]
+
+
+def _to_state_dict(state: Any) -> dict:
+  serialization = _flax_serialization()
+  return {name: serialization.to_state_dict(getattr(state, name)) for name in _data_fields(state)}
+
+
+def _from_state_dict(target: Any, state_dict: dict) -> Any:
+  serialization = _flax_serialization()
+  missing = [name for name in _data_fields(target) if name not in state_dict]
+  if missing:
+    raise ValueError(f"the state dict of {type(target).__name__} lacks the fields {missing}")
+  return target.replace(**{name: serialization.from_state_dict(getattr(target, name),
+                                                               state_dict[name], name=name)
+                           for name in _data_fields(target)})
+
+
+_make_pytree(TrainState)
