@@ -131,10 +131,12 @@ def check_step(before, after, grads, skipped, compiled_scale, eager, scale):
   finite = unscaled_finite(grads, scale)
   assert skipped == (not finite), f"compiled skip {skipped}, its own gradients finite {finite}"
   eager_skipped, eager_scale, eager_grads = eager
-  if unscaled_finite(eager_grads, scale) == finite:  # the two programs computed alike
-    assert skipped == eager_skipped, "compiled and eager steps decide differently"
   if skipped:
     assert bits(after) == bits(before), "a skipped step changed the params or the state"
   for leaf in jax.tree.leaves(after[0]):
     assert np.all(np.isfinite(np.asarray(leaf))), "a compiled step wrote a non-finite parameter"
-  assert np.float32(compiled_scale) == np.float32(eager_scale), "compiled and eager scales differ"
+  # Where the two programs computed gradients of different finiteness (an intermediate that one
+  # rounds to inf and the other fuses away), each decided on its own gradients, checked above.
+  if unscaled_finite(eager_grads, scale) == finite:
+    assert skipped == eager_skipped, "compiled and eager steps decide differently"
+    assert np.float32(compiled_scale) == np.float32(eager_scale), "compiled and eager scales differ"
