@@ -5,6 +5,7 @@ from jaxamp._src.accumulation import AccumulationState
 from jaxamp._src.accumulation import accumulate_gradients
 from jaxamp._src.accumulation import get_accumulation_state
 from jaxamp._src.accumulation import has_updated
+from jaxamp._src.autocast import autocast
 from jaxamp._src.clipping import ClipGradNormState
 from jaxamp._src.clipping import clip_grad_norm
 from jaxamp._src.clipping import clip_grad_value
@@ -48,6 +49,7 @@ __all__ = (
     "TrainState",
     "accumulate_gradients",
     "all_finite",
+    "autocast",
     "build_optim_wrapper",
     "clip_grad_norm",
     "clip_grad_value",
