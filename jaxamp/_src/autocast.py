@@ -75,7 +75,7 @@ def _make_config(dtype: Any, overrides: Optional[Mapping[Any, str]]) -> _Config:
 
 
 def _is_float(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.floating)
+  return jax.dtypes.issubdtype(dtype, jnp.floating)
 
 
 def _cast(x, dtype):
@@ -95,8 +95,9 @@ def _widest(dtypes: Sequence[jnp.dtype]) -> jnp.dtype:
   return top
 
 
-def _dtype_of(x) -> jnp.dtype:
-  return jnp.dtype(jax.typeof(x).dtype) if not isinstance(x, np.ndarray) else x.dtype
+def _dtype_of(x):
+  dtype = getattr(x, "dtype", None)
+  return jax.typeof(x).dtype if dtype is None else dtype
 
 
 def _promote(vals, weak):
