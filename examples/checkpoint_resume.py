@@ -55,7 +55,7 @@ def build(args: argparse.Namespace) -> Tuple[optax.GradientTransformation, Calla
   tx = jaxamp.accumulate_gradients(
       jaxamp.dynamic_loss_scale(optax.adamw(1e-3), growth_interval=3),
       args.accumulate, total_steps=args.micro_steps)
-  compute_loss = jaxamp.mixed_precision(loss_fn, "half")
+  compute_loss = jaxamp.mixed_precision(loss_fn, "c=f16")
   data_key = jax.random.key(args.seed + 1)
   poisoned = jnp.asarray(args.poison, jnp.int32)
 

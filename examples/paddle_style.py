@@ -3,7 +3,7 @@
 Paddle's recipe, line for line::
 
     # Paddle                                         # jaxamp
-    with paddle.amp.auto_cast():                     loss_fn = jaxamp.mixed_precision(fn, "half")
+    with paddle.amp.auto_cast():                     loss_fn = jaxamp.autocast(fn, jnp.float16)
         loss = fn(model(x), y)
     scaled = scaler.scale(loss)
     scaled.backward()                                opt.backward(scaler.scale(loss_fn), x, y)
@@ -61,7 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   params = init_params(key_params)
 
   # --8<-- [start:loop]
-  loss_fn = jaxamp.mixed_precision(mse, "half")           # paddle.amp.auto_cast()
+  loss_fn = jaxamp.autocast(mse, jnp.float16)             # paddle.amp.auto_cast()
   opt = jaxamp.OptimWrapper(optax.sgd(0.05, momentum=0.9), params)
   scaler = jaxamp.paddle.GradScaler(init_loss_scaling=1024.0, incr_every_n_steps=1000,
                                     decr_every_n_nan_or_inf=2)

@@ -4,7 +4,7 @@ The loop is PyTorch's recipe for mixed precision with gradient accumulation
 and clipping, line for line::
 
     # PyTorch                                        # jaxamp
-    with torch.autocast("cuda", torch.float16):      loss_fn = jaxamp.mixed_precision(fn, "half")
+    with torch.autocast("cuda", torch.float16):      loss_fn = jaxamp.autocast(fn, jnp.float16)
         loss = fn(model(x), y) / accum
     scaler.scale(loss).backward()                    opt.backward(scaler.scale(loss_fn), x, y)
     if (i + 1) % accum == 0:
@@ -73,7 +73,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     loss = cross_entropy(params, x, y)
     return loss / accum, loss  # (what is differentiated, what is logged)
 
-  loss_fn = jaxamp.mixed_precision(loss_fn, f"params=float32,compute={args.dtype}")
+  loss_fn = jaxamp.autocast(loss_fn, args.dtype)  # torch.autocast("cuda", dtype)
   opt = jaxamp.OptimWrapper(optax.adamw(args.lr), init_params(key_params),
                             clip_grad=dict(max_norm=1.0))
   scaler = jaxamp.GradScaler(init_scale=2.0**16, growth_interval=100)

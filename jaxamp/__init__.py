@@ -2,6 +2,7 @@
 
 from jaxamp import paddle
 from jaxamp._src.accumulation import accumulate_gradients
+from jaxamp._src.autocast import autocast
 from jaxamp._src.clipping import clip_grad_norm
 from jaxamp._src.clipping import clip_grad_value
 from jaxamp._src.clipping import total_grad_norm
@@ -58,6 +59,7 @@ __all__ = (
     "TrainState",
     "accumulate_gradients",
     "all_finite",
+    "autocast",
     "build_optim_wrapper",
     "clip_grad_norm",
     "clip_grad_norm_",

@@ -9,6 +9,7 @@ test suite sets.
 
 import importlib.util
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -132,6 +133,9 @@ def test_an_example_runs_as_a_script():
   proc = subprocess.run(
       [sys.executable, str(EXAMPLES / "paddle_style.py"), "--steps", "2", "--overflow-at", "1",
        "--batch-size", "8", "--log-every", "1"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+      cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+      # The jaxamp of this checkout, whatever an installed copy points at.
+      env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+          [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])))
   assert proc.returncode == 0, proc.stderr
   assert "iteration    2" in proc.stdout and "scaler.state_dict()" in proc.stdout

@@ -22,28 +22,39 @@ def dtypes(policy):
     ("param=float32,c=half", (F32, F16, F32)),
     ("compute=bf16", (F32, BF16, F32)),
     ("o=f16,p=f32,c=f16", (F32, F16, F16)),
-    ("half", (F32, F16, F32)),
-    ("f16", (F32, F16, F32)),
-    ("bf16", (F32, BF16, F32)),
-    ("bfloat16", (F32, BF16, F32)),
-    ("float32", (F32, F32, F32)),
-    ("full", (F32, F32, F32)),
+    ("c=half", (F32, F16, F32)),
+    ("p=f32", (F32, F32, F32)),
+    ("params=float16,compute=float16,output=float16", (F16, F16, F16)),
 ])
 def test_get_policy_parses_long_and_short_forms(spec, expected):
   assert dtypes(jaxamp.get_policy(spec)) == expected
 
 
-def test_get_policy_accepts_a_dtype_and_returns_a_policy_unchanged():
-  assert dtypes(jaxamp.get_policy(jnp.bfloat16)) == (F32, BF16, F32)
+@pytest.mark.parametrize("spec, name", [
+    ("half", "float16"), ("F16", "float16"), ("bf16", "bfloat16"), ("float32", "float32"),
+    (jnp.bfloat16, "bfloat16"), (np.dtype(np.float16), "float16"),
+])
+def test_a_single_dtype_is_refused_naming_both_readings(spec, name):
+  with pytest.raises(ValueError) as info:
+    jaxamp.get_policy(spec)
+  message = str(info.value)
+  assert f"params={name},compute={name},output={name}" in message  # jmp's reading
+  assert f"params=float32,compute={name},output=float32" in message  # the mixed one
+  assert "jaxamp.autocast" in message and "ambiguous" in message
+  with pytest.raises(ValueError, match="ambiguous"):
+    jaxamp.mixed_precision(jnp.sin, spec)
+
+
+def test_get_policy_returns_a_policy_unchanged():
   policy = jaxamp.Policy("f32", "f16", "f16")
   assert jaxamp.get_policy(policy) is policy
 
 
 def test_str_round_trips():
-  for spec in ("half", "p=f32,c=bf16,o=bf16", "float32"):
+  for spec in ("c=half", "p=f32,c=bf16,o=bf16", "p=f32"):
     policy = jaxamp.get_policy(spec)
     assert jaxamp.get_policy(str(policy)) == policy
-  assert str(jaxamp.get_policy("half")) == "params=float32,compute=float16,output=float32"
+  assert str(jaxamp.get_policy("c=half")) == "params=float32,compute=float16,output=float32"
 
 
 @pytest.mark.parametrize("spec", [
@@ -56,7 +67,7 @@ def test_bad_strings_list_the_accepted_forms(spec):
   message = str(info.value)
   assert repr(spec) in message
   for form in ("params=float32,compute=float16,output=float32", "params|p", "compute|c",
-               "output|o", "'half'", "bfloat16"):
+               "output|o", "'c=f16'", "bfloat16"):
     assert form in message
 
 
@@ -98,7 +109,7 @@ def test_casts_touch_only_floating_array_leaves():
 
 
 def test_casts_work_under_jit_on_tracers():
-  policy = jaxamp.get_policy("half")
+  policy = jaxamp.get_policy("c=f16")
   out = jax.jit(policy.cast_to_compute)({"w": jnp.ones(2), "i": jnp.ones(2, jnp.int32)})
   assert out["w"].dtype == F16 and out["i"].dtype == jnp.int32
 
@@ -119,7 +130,7 @@ def _problem():
   return params, x, labels
 
 
-@pytest.mark.parametrize("spec, compute", [("half", F16), ("p=f32,c=bf16,o=f32", BF16)])
+@pytest.mark.parametrize("spec, compute", [("c=half", F16), ("p=f32,c=bf16,o=f32", BF16)])
 def test_mixed_precision_computes_in_half_and_returns_float32_grads(spec, compute):
   params, x, labels = _problem()
   loss_fn = jaxamp.mixed_precision(_mlp_loss, spec)
@@ -149,7 +160,7 @@ def test_mixed_precision_checked_inside_with_a_debug_callback():
     jax.debug.callback(lambda d: seen.append(d.dtype), params["w"])
     return jnp.sum(params["w"] * x)
 
-  f = jaxamp.mixed_precision(loss_fn, "half")
+  f = jaxamp.mixed_precision(loss_fn, "c=f16")
   grads = jax.grad(f)({"w": jnp.ones(3)}, jnp.ones(3))
   assert seen == [F16] and grads["w"].dtype == F32
 
@@ -173,7 +184,7 @@ def test_mixed_precision_with_loss_scaling_end_to_end():
   params, x, labels = _problem()
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0**10)
   opt_state = tx.init(params)
-  loss_fn = jaxamp.mixed_precision(_mlp_loss, "half")
+  loss_fn = jaxamp.mixed_precision(_mlp_loss, "c=f16")
 
   @jax.jit
   def step(params, opt_state):

@@ -24,9 +24,18 @@ _KEYS = {"params": "param_dtype", "param": "param_dtype", "p": "param_dtype",
          "output": "output_dtype", "o": "output_dtype"}
 _ACCEPTED = (
     "'params=float32,compute=float16,output=float32' (keys params|p, compute|c, output|o; "
-    f"dtypes {', '.join(sorted(_DTYPE_NAMES))}), or a single dtype name such as 'half' or "
-    "'bf16', meaning params=float32,compute=<dtype>,output=float32 (a single 'float32' means "
-    "full precision everywhere)")
+    f"dtypes {', '.join(sorted(_DTYPE_NAMES))}; keys left out are float32, so 'c=f16' is "
+    "enough)")
+
+
+def _ambiguous(spec: Any, name: str) -> ValueError:
+  return ValueError(
+      f"A single dtype ({spec!r}) is ambiguous as a policy: jmp's get_policy reads it as that "
+      f"dtype everywhere ('params={name},compute={name},output={name}'), and earlier jaxamp "
+      f"versions as 'params=float32,compute={name},output=float32'. Write the one you mean, "
+      f"e.g. 'params=float32,compute={name},output=float32' (or 'c={name}'), or use "
+      f"jaxamp.autocast(fn, {name!r}) for per-operation dtypes, as torch.autocast; accepted: "
+      f"{_ACCEPTED}")
 
 
 def canonical_dtype(dtype: DTypeLike, name: str = "dtype") -> jnp.dtype:
@@ -102,11 +111,19 @@ class Policy:
 def get_policy(spec: Union[str, Policy]) -> Policy:
   """Parses a policy string such as ``"params=float32,compute=float16,output=float32"``.
 
-  Short forms are accepted: ``"p=f32,c=bf16,o=f32"``, and a single dtype name
-  such as ``"half"`` or ``"bf16"`` (float32 params and outputs, that compute
-  dtype). Keys left out default to float32. A floating dtype such as
-  ``jnp.bfloat16`` means the same as its name, and a :class:`Policy` is
-  returned unchanged.
+  This is jmp-style whole casting; for per-operation dtypes, as
+  ``torch.autocast``, see :func:`jaxamp.autocast`.
+
+  Short forms are accepted: ``"p=f32,c=bf16,o=f32"``; keys left out default
+  to float32, so ``"c=f16"`` is float32 parameters and outputs with float16
+  compute. A :class:`Policy` is returned unchanged.
+
+  A single dtype (``"half"``, ``"bf16"``, ``jnp.float16``) is refused: jmp's
+  ``get_policy("half")`` means half precision everywhere (parameters
+  included), while the reading natural for mixed precision is float32
+  parameters and outputs with half compute. Code ported from jmp would
+  silently get the other one, so the error names both and asks for the
+  explicit form.
 
   Args:
     spec: a policy string, a floating dtype or a :class:`Policy`.
@@ -115,29 +132,29 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     The :class:`Policy`.
 
   Raises:
-    ValueError: for an unknown key, dtype or form, or a repeated key; the
-      message lists the accepted forms.
+    ValueError: for an unknown key, dtype or form, a repeated key, or a
+      single dtype; the message lists the accepted forms.
     TypeError: for a ``spec`` that is neither a string, a dtype nor a Policy.
 
   Examples:
     >>> import jaxamp
     >>> print(jaxamp.get_policy("p=f32,c=bf16,o=f32"))
     params=float32,compute=bfloat16,output=float32
-    >>> print(jaxamp.get_policy("half"))
+    >>> print(jaxamp.get_policy("c=half"))
     params=float32,compute=float16,output=float32
   """
   if isinstance(spec, Policy):
     return spec
   if not isinstance(spec, str):
     if not isinstance(spec, (type, np.dtype)):
-      raise TypeError(f"policy must be a string, a floating dtype or a jaxamp.Policy, "
+      raise TypeError(f"policy must be a string or a jaxamp.Policy, "
                       f"got {spec!r}; accepted strings: {_ACCEPTED}")
-    return Policy(jnp.float32, canonical_dtype(spec, "policy"), jnp.float32)
+    raise _ambiguous(spec, canonical_dtype(spec, "policy").name)
   text = spec.strip().lower()
   if "=" not in text:
     if text not in _DTYPE_NAMES:
       raise ValueError(f"Unknown policy {spec!r}; accepted: {_ACCEPTED}")
-    return Policy(jnp.float32, _DTYPE_NAMES[text], jnp.float32)
+    raise _ambiguous(spec, jnp.dtype(_DTYPE_NAMES[text]).name)
   fields = {}
   for item in text.split(","):
     key, sep, value = (part.strip() for part in item.partition("="))
@@ -158,6 +175,9 @@ def mixed_precision(loss_fn: Callable[..., Any], policy: Union[str, Policy]) -> 
   non-array leaves are passed through unchanged; if a floating argument must
   stay in full precision, close over it instead of passing it.
 
+  Every operation then runs in the compute dtype, exponentials, sums and norms
+  included; :func:`jaxamp.autocast` keeps those in float32.
+
   Args:
     loss_fn: a function whose first argument is the (master) parameters.
     policy: a :class:`Policy` or anything :func:`get_policy` accepts.
@@ -168,7 +188,7 @@ def mixed_precision(loss_fn: Callable[..., Any], policy: Union[str, Policy]) -> 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxamp
     >>> loss = lambda p, x: jnp.sum(p['w'] * x)
-    >>> f = jaxamp.mixed_precision(loss, "half")
+    >>> f = jaxamp.mixed_precision(loss, "p=f32,c=f16,o=f32")
     >>> f({'w': jnp.ones(3)}, jnp.ones(3)).dtype
     dtype('float32')
     >>> jax.grad(f)({'w': jnp.ones(3)}, jnp.ones(3))['w'].dtype

@@ -1,6 +1,5 @@
 """The soundness battery on 8 devices: data-parallel ``jit`` and ``shard_map`` with ``axis_name``."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
