@@ -354,3 +354,43 @@ def test_donate_compiles_once_in_a_100_step_loop():
 def test_donate_must_be_a_bool():
   with pytest.raises(TypeError, match="donate"):
     jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), donate=1)
+
+
+# ------------------------------------------------------------------------------------ autocast
+
+
+def _dtypes_in_step(wrapper, loss_fn, x):
+  """The (primitive, input dtypes) of the backward pass the wrapper compiles."""
+  jaxpr = jax.make_jaxpr(lambda p: wrapper._compute_in_dtype(loss_fn)(p, x))(wrapper.params)
+  found = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      found.add((eqn.primitive.name, tuple(str(v.aval.dtype) for v in eqn.invars
+                                          if hasattr(v.aval, "dtype"))))
+      for value in eqn.params.values():
+        inner = getattr(value, "jaxpr", value)
+        if hasattr(inner, "eqns"):
+          walk(inner)
+
+  walk(jaxpr.jaxpr)
+  return found
+
+
+def test_a_half_dtype_runs_the_loss_under_autocast_by_default():
+  params = {"w": jnp.ones((3, 3)) * 0.1}
+  loss_fn = lambda p, x: jnp.mean(jnp.exp(x @ p["w"]))
+  x = jnp.ones((2, 3))
+  auto = jaxamp.AmpOptimWrapper(optax.sgd(0.1), params, dtype="float16")
+  whole = jaxamp.AmpOptimWrapper(optax.sgd(0.1), params, dtype="float16", cast="whole")
+  auto_ops = _dtypes_in_step(auto, loss_fn, x)
+  whole_ops = _dtypes_in_step(whole, loss_fn, x)
+  assert ("dot_general", ("float16", "float16")) in auto_ops
+  assert ("exp", ("float32",)) in auto_ops  # kept in float32, as torch.autocast keeps it
+  assert ("exp", ("float16",)) in whole_ops  # the whole cast runs everything in float16
+  for _ in range(3):
+    loss = auto.update_params(loss_fn, x)
+  assert loss.dtype == jnp.float32 and auto.params["w"].dtype == jnp.float32
+  assert set(trace_counts(auto).values()) == {1}  # compiled once
+  with pytest.raises(ValueError, match="cast must be 'autocast'"):
+    jaxamp.AmpOptimWrapper(optax.sgd(0.1), params, dtype="float16", cast="half")
