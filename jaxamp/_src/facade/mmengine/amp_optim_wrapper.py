@@ -21,6 +21,7 @@ from jax import lax
 
 from jaxamp._src import finite
 from jaxamp._src import state as state_lib
+from jaxamp._src import autocast as autocast_lib
 from jaxamp._src import clipping
 from jaxamp._src import loss_scale as ls
 from jaxamp._src import policy as policy_lib
@@ -95,12 +96,17 @@ class AmpOptimWrapper(OptimWrapper):
   optimizer step, not per micro-batch. ``get_scale()`` returns the scale,
   ``loss_scaler`` the scale state.
 
-  ``dtype`` is the compute dtype: inside ``backward`` the floating params and
-  array inputs are cast to it (:func:`jaxamp.mixed_precision`), while the
-  master params and the gradients stay float32 and the loss is returned in
-  float32. ``dtype=None`` casts nothing: the loss function runs as written
-  (e.g. a Flax module with its own ``dtype``). :meth:`optim_context` yields
-  the cast function, for code the user runs in the compute dtype himself.
+  ``dtype`` is the compute dtype. With float16 or bfloat16 the loss
+  function runs under :func:`jaxamp.autocast` (``cast='autocast'``, the
+  default, as mmengine's wrapper runs under ``torch.autocast``): matmuls and
+  convolutions in ``dtype``, precision-sensitive ops in float32, the cast made
+  at each op. ``cast='whole'`` casts every floating param and array input to
+  ``dtype`` instead (:func:`jaxamp.mixed_precision`, jmp's way, this
+  wrapper's behaviour before autocast). Either way the master params and the
+  gradients stay float32 and the loss is returned in float32. ``dtype=None``
+  casts nothing: the loss function runs as written (e.g. a Flax module with
+  its own ``dtype``). :meth:`optim_context` yields the whole-cast function,
+  for code the user runs in the compute dtype himself.
 
   Differences from mmengine, and why:
 
@@ -131,6 +137,8 @@ class AmpOptimWrapper(OptimWrapper):
     clip_grad: as :class:`OptimWrapper`.
     donate: as :class:`OptimWrapper` (buffer donation; invalidates arrays
       read from the wrapper at the next step).
+    cast: ``'autocast'`` (per operation, the default) or ``'whole'`` (every
+      floating input), how a float16/bfloat16 ``dtype`` is applied.
     on_stall: ``'warn'`` (the default), ``'raise'`` or ``'ignore'``: what a
       step does once the run is stalled (``stall_after`` consecutive skipped
       steps, or a skip at the smallest scale): warn with
@@ -165,8 +173,12 @@ class AmpOptimWrapper(OptimWrapper):
   def __init__(self, optimizer: optax.GradientTransformation, params: Any, *,
                loss_scale: Union[str, float, dict] = "dynamic", dtype: Any = None,
                accumulative_counts: int = 1, clip_grad: Optional[dict] = None,
-               donate: bool = False, on_stall: str = "warn",
+               donate: bool = False, cast: str = "autocast", on_stall: str = "warn",
                stall_after: int = ls.DEFAULT_STALL_AFTER, stall_check_every: int = 10):
+    if cast not in ("autocast", "whole"):
+      raise ValueError(f"cast must be 'autocast' (per operation, as torch.autocast) or 'whole' "
+                       f"(every floating input, as jmp), got {cast!r}")
+    self._cast = cast
     self._scaler = parse_loss_scale(loss_scale)
     self._stall_after = validation.check_count("stall_after", stall_after)
     self._monitor = stall.StallMonitor(on_stall, stall_check_every)
@@ -233,9 +245,12 @@ class AmpOptimWrapper(OptimWrapper):
   def _loss_scale_of(self, state: Any) -> Optional[jax.Array]:
     return state.scale if self._scaling else None
 
-  @property
-  def _policy(self) -> Optional[policy_lib.Policy]:
-    return self._amp_policy
+  def _compute_in_dtype(self, loss_fn: Callable) -> Callable:
+    if self._amp_policy is None:
+      return loss_fn
+    if self._cast == "autocast" and self.cast_dtype in (jnp.float16, jnp.bfloat16):
+      return autocast_lib.autocast(loss_fn, self.cast_dtype)
+    return policy_lib.mixed_precision(loss_fn, self._amp_policy)
 
   def _update(self, params, state, grads, skip):
     if not self._scaling:

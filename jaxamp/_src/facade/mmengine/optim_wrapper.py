@@ -26,7 +26,6 @@ from jaxamp._src import state as state_lib
 from jaxamp._src import finite
 from jaxamp._src import selective_update
 from jaxamp._src import clipping
-from jaxamp._src import policy as policy_lib
 from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionTypeError
 from jaxamp._src.facade.mmengine import hyperparams as hp
@@ -271,9 +270,9 @@ class OptimWrapper:
     del state
     return None
 
-  @property
-  def _policy(self) -> Optional[policy_lib.Policy]:
-    return None
+  def _compute_in_dtype(self, loss_fn: Callable) -> Callable:
+    """``loss_fn`` as it runs in the compute dtype (as written, here)."""
+    return loss_fn
 
   # -- jitted functions -------------------------------------------------------------------------
 
@@ -312,9 +311,7 @@ class OptimWrapper:
   def _objective(self, spec: CallSpec, dynamic: Sequence[Any], factor: jax.Array,
                  scale: Optional[jax.Array]) -> Callable:
     loss_fn, args, kwargs = merge_call(spec, dynamic)
-    policy = self._policy
-    if policy is not None:
-      loss_fn = policy_lib.mixed_precision(loss_fn, policy)
+    loss_fn = self._compute_in_dtype(loss_fn)
 
     def objective(params):
       out = loss_fn(params, *args, **kwargs)
