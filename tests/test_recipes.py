@@ -87,3 +87,18 @@ def test_unscale_clip_step_ports_line_by_line():
     np.testing.assert_allclose(p, w - 0.1 * g, rtol=1e-5)
   with pytest.raises(TypeError, match="use the jaxamp.clip_grad_norm transformation"):
     jaxamp.clip_grad_norm_(grads, 1.0)
+
+
+def test_wrappers_built_in_every_iteration_compile_once():
+  """``with torch.autocast():`` ported inside the loop: a new wrapper each time, one compile."""
+  from tests._tracing import trace_counts
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
+  scaler = jaxamp.GradScaler()
+  for _ in range(5):
+    for wrap in (lambda f: jaxamp.mixed_precision(f, "c=bf16"),
+                 lambda f: jaxamp.autocast(f, jnp.bfloat16)):
+      opt.zero_grad()
+      opt.backward(scaler.scale(wrap(loss_fn)), X)
+      scaler.step(opt)
+      scaler.update()
+  assert trace_counts(opt)["grad"] == 2  # once per kind of wrapper, not once per iteration

@@ -194,11 +194,28 @@ def mixed_precision(loss_fn: Callable[..., Any], policy: Union[str, Policy]) -> 
     >>> jax.grad(f)({'w': jnp.ones(3)}, jnp.ones(3))['w'].dtype
     dtype('float32')
   """
-  policy = get_policy(policy)
+  return _MixedPrecision(loss_fn, get_policy(policy))
 
-  @functools.wraps(loss_fn)
-  def wrapped(params, *args, **kwargs):
-    params, args, kwargs = policy.cast_to_compute((params, args, kwargs))
-    return policy.cast_to_output(loss_fn(params, *args, **kwargs))
 
-  return wrapped
+class _MixedPrecision:
+  """``loss_fn`` run under ``policy``; equal to every other wrapping of the same two.
+
+  So a wrapper built anew inside a training loop (as ``with torch.autocast():``
+  is entered every iteration) is the same static argument to ``jax.jit`` each
+  time, and nothing recompiles.
+  """
+
+  def __init__(self, loss_fn: Callable[..., Any], policy: Policy):
+    self.loss_fn, self.policy = loss_fn, policy
+    functools.update_wrapper(self, loss_fn)
+
+  def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+    params, args, kwargs = self.policy.cast_to_compute((params, args, kwargs))
+    return self.policy.cast_to_output(self.loss_fn(params, *args, **kwargs))
+
+  def __eq__(self, other: Any) -> bool:
+    return (isinstance(other, _MixedPrecision) and self.loss_fn == other.loss_fn
+            and self.policy == other.policy)
+
+  def __hash__(self) -> int:
+    return hash((self.loss_fn, self.policy))
