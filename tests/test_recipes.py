@@ -102,3 +102,12 @@ def test_wrappers_built_in_every_iteration_compile_once():
       scaler.step(opt)
       scaler.update()
   assert trace_counts(opt)["grad"] == 2  # once per kind of wrapper, not once per iteration
+
+
+def test_backward_of_a_scaled_loss_returns_the_loss_itself():
+  """What a PyTorch loop logs is the loss before ``scaler.scale``."""
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
+  scaler = jaxamp.GradScaler(init_scale=2.0**16)
+  loss = opt.backward(scaler.scale(loss_fn), X)
+  np.testing.assert_allclose(loss, loss_fn(W0, X), rtol=1e-6)
+  np.testing.assert_allclose(opt.grads["w"], 2.0**16 * jax.grad(loss_fn)(W0, X)["w"], rtol=1e-5)

@@ -63,15 +63,18 @@ class ScaledLoss:
       return self.scaler._scale_array()  # noqa: SLF001
     return self._scale
 
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    scale = self.scale
+  def unscaled(self, *args: Any, **kwargs: Any) -> Any:
+    """``fn``'s own output (the loss before scaling), computed as :meth:`__call__` computes it."""
     using = getattr(self.scaler, "using_scale", None)
     if using is None:
-      out = self.fn(*args, **kwargs)
-    else:
-      # Inside, the scaler's scale() and get_scale() use this (traced) scale.
-      with using(scale):
-        out = self.fn(*args, **kwargs)
+      return self.fn(*args, **kwargs)
+    # Inside, the scaler's scale() and get_scale() use this (traced) scale.
+    with using(self.scale):
+      return self.fn(*args, **kwargs)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    scale = self.scale
+    out = self.unscaled(*args, **kwargs)
     if self.has_aux:
       loss, aux = out
       return state_lib.multiply_by_scale(loss, scale), aux

@@ -36,6 +36,7 @@ from jaxamp._src.facade.mmengine.counting import AccumulationCounter
 from jaxamp._src.facade.mmengine.jit_args import CallSpec
 from jaxamp._src.facade.mmengine.jit_args import merge_call
 from jaxamp._src.facade.mmengine.jit_args import split_call
+from jaxamp._src.facade.scaled_loss import ScaledLoss
 from jaxamp._src.facade.scaled_loss import DividedLoss
 from jaxamp._src.facade.scaled_loss import divide
 
@@ -311,6 +312,11 @@ class OptimWrapper:
   def _objective(self, spec: CallSpec, dynamic: Sequence[Any], factor: jax.Array,
                  scale: Optional[jax.Array]) -> Callable:
     loss_fn, args, kwargs = merge_call(spec, dynamic)
+    if isinstance(loss_fn, ScaledLoss):
+      # scaler.scale(loss_fn): differentiate the scaled loss, return the loss itself (what a
+      # PyTorch loop logs, the loss before scaler.scale).
+      scale = loss_fn.scale if scale is None else state_lib.multiply_by_scale(loss_fn.scale, scale)
+      loss_fn = functools.partial(_unscaled_call, loss_fn)
     loss_fn = self._compute_in_dtype(loss_fn)
 
     def objective(params):
@@ -823,3 +829,7 @@ def describe_groups(wrapper: OptimWrapper, groups: Sequence[Tuple[List[str], dic
   for spec, (names, extras) in zip(wrapper._group_specs(), groups):  # noqa: SLF001
     spec.names = names
     spec.extras.update(extras)
+
+
+def _unscaled_call(scaled: ScaledLoss, *args: Any, **kwargs: Any) -> Any:
+  return scaled.unscaled(*args, **kwargs)
