@@ -11,19 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxamp._src import numerics
-
-F32_TINY = float(np.finfo(np.float32).tiny)
-F32_MAX = float(np.finfo(np.float32).max)
-
-
-def bits(x):
-  return np.asarray(x).view(np.uint32 if np.asarray(x).dtype == np.float32 else np.uint16)
-
-
-def torch_unscale(g, scale):
-  """PyTorch's unscale: g * float32(1 / float64(scale)), denormals kept (numpy keeps them)."""
-  inv = np.float32(1.0 / np.float64(np.float32(scale)))
-  return (np.asarray(g, np.float32) * inv).astype(np.float32)
+from tests._floats import bits
 
 
 # ------------------------------------------------------------------------------ mul_like_float64
