@@ -218,39 +218,69 @@ def _normal_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.float32(1.0), jnp.float32(1.0) / scale
 
 
-def unscale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Two normal float32 factors whose product is ``float32(1 / scale)``, as XLA buffers.
+class Unscaling(NamedTuple):
+  """How :func:`unscale` multiplies by ``float32(1 / scale)``, computed once per step.
+
+  Attributes:
+    reciprocal: ``float32(1 / scale)``.
+    huge: whether the scale is 2^126 or more, where that reciprocal is a
+      denormal that XLA flushes to zero on CPU.
+    first: a normal float32 factor; ``first * second == float32(1 / scale)``.
+    second: the other factor.
+  """
+
+  reciprocal: jax.Array
+  huge: jax.Array
+  first: jax.Array
+  second: jax.Array
+
+
+def unscale_factors(scale: jax.Array) -> Unscaling:
+  """The :class:`Unscaling` of ``scale``.
 
   A ``lax.cond``, not a ``where``: XLA:CPU fuses scalar code into each
   elementwise kernel that uses it and re-runs it there for every element; a
   conditional's results are computed once.
   """
-  return lax.cond(scale >= DENORMAL_RECIPROCAL, _huge_factors, _normal_factors, scale)
+  scale = jnp.asarray(scale, jnp.float32)
+  huge = scale >= DENORMAL_RECIPROCAL
+  first, second = lax.cond(huge, _huge_factors, _normal_factors, scale)
+  return Unscaling(jnp.float32(1.0) / scale, huge, first, second)
 
 
 def unscale(tree: Any, scale: jax.Array) -> Any:
   """Divides every floating leaf by ``scale``, bit for bit as PyTorch does.
 
-  PyTorch multiplies by ``float32(1 / scale)``. When the scale is 2^126 or
-  more, that reciprocal is a denormal, which XLA flushes to zero on CPU; then
-  the multiplication is split into two normal factors (``2^-64`` and
-  ``2^64 / scale``), so the result is the same as PyTorch's instead of zero.
-  Each leaf is computed in float32 and cast back to its own dtype.
+  PyTorch multiplies by ``float32(1 / scale)``, and so does jaxamp. When the
+  scale is 2^126 or more, that reciprocal is a denormal, which XLA flushes to
+  zero on CPU; then the multiplication is split into two normal factors
+  (``2^-64`` and ``2^64 / scale``), so the result is the same as PyTorch's
+  instead of zero. The product reaches the optimizer through a selection,
+  which XLA cannot fuse with the optimizer's next addition into an FMA: the
+  optimizer then rounds as it would on the unscaled gradients themselves, so
+  that for a power-of-two scale (where the product is exact) an applied step
+  of sgd with momentum is bit-identical to plain optax's. Each leaf is
+  computed in float32 and cast back to its own dtype.
   """
-  factors = unscale_factors(jnp.asarray(scale, jnp.float32))
-  return jax.tree.map(lambda g: unscale_leaf(g, *factors), tree)
+  unscaling = unscale_factors(scale)
+  return jax.tree.map(lambda g: unscale_leaf(g, unscaling), tree)
 
 
-def unscale_leaf(g: Any, first: jax.Array, second: jax.Array) -> Any:
+def unscale_leaf(g: Any, unscaling: Unscaling) -> Any:
   """One leaf of :func:`unscale`, given :func:`unscale_factors`."""
   g = jnp.asarray(g)
   if not jnp.issubdtype(g.dtype, jnp.inexact):
     return g
   if jnp.issubdtype(g.dtype, jnp.complexfloating):
-    return lax.complex(unscale_leaf(g.real, first, second), unscale_leaf(g.imag, first, second))
+    return lax.complex(unscale_leaf(g.real, unscaling), unscale_leaf(g.imag, unscaling))
   # Half precision is computed in float32, float64 (with x64) in float64.
   compute = g.dtype if g.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
-  return (g.astype(compute) * first.astype(compute) * second.astype(compute)).astype(g.dtype)
+  x = g.astype(compute)
+  split = x * unscaling.first.astype(compute) * unscaling.second.astype(compute)
+  # A selection, also where both give the same value: it leaves no multiply for XLA to fuse
+  # with the optimizer's next addition into an FMA, so that the optimizer rounds as it would
+  # on the unscaled gradients themselves (bit-identical to plain optax for power-of-two scales).
+  return jnp.where(unscaling.huge, split, x * unscaling.reciprocal.astype(compute)).astype(g.dtype)
 
 
 class Check(NamedTuple):

@@ -362,8 +362,8 @@ def _from_raw(closed: Any, witnesses: list, read: Callable[[Any], Any],
 
   def as_written(values, raw, scale):
     del values
-    factors = finite.unscale_factors(scale)
-    return [jnp.stack([run(w, finite.unscale_leaf(raw[i], *factors)) for i, w in group])
+    unscaling = finite.unscale_factors(scale)
+    return [jnp.stack([run(w, finite.unscale_leaf(raw[i], unscaling)) for i, w in group])
             for group in grouped]
 
   values = lax.cond(ok, lambda values, *_: values, as_written, values, list(raw), scale)
