@@ -210,12 +210,14 @@ def stored_once(tree: Any) -> Any:
   return jax.tree.map(lax.optimization_barrier, tree)
 
 
-def _huge_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  return jnp.float32(1.0 / _TWO_64), jnp.float32(_TWO_64) / scale
+def _huge_factors(scale: jax.Array) -> tuple[jax.Array, ...]:
+  return (jnp.float32(1.0) / scale, jnp.ones([], jnp.bool_), jnp.float32(1.0 / _TWO_64),
+          jnp.float32(_TWO_64) / scale)
 
 
-def _normal_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  return jnp.float32(1.0), jnp.float32(1.0) / scale
+def _normal_factors(scale: jax.Array) -> tuple[jax.Array, ...]:
+  return (jnp.float32(1.0) / scale, jnp.zeros([], jnp.bool_), jnp.float32(1.0),
+          jnp.float32(1.0) / scale)
 
 
 class Unscaling(NamedTuple):
@@ -238,14 +240,12 @@ class Unscaling(NamedTuple):
 def unscale_factors(scale: jax.Array) -> Unscaling:
   """The :class:`Unscaling` of ``scale``.
 
-  A ``lax.cond``, not a ``where``: XLA:CPU fuses scalar code into each
-  elementwise kernel that uses it and re-runs it there for every element; a
-  conditional's results are computed once.
+  Every field comes out of a ``lax.cond``, not a ``where``: XLA:CPU fuses
+  scalar code into each elementwise kernel that uses it and re-runs it there
+  for every element; a conditional's results are computed once.
   """
   scale = jnp.asarray(scale, jnp.float32)
-  huge = scale >= DENORMAL_RECIPROCAL
-  first, second = lax.cond(huge, _huge_factors, _normal_factors, scale)
-  return Unscaling(jnp.float32(1.0) / scale, huge, first, second)
+  return Unscaling(*lax.cond(scale >= DENORMAL_RECIPROCAL, _huge_factors, _normal_factors, scale))
 
 
 def unscale(tree: Any, scale: jax.Array) -> Any:
@@ -283,6 +283,16 @@ def unscale_leaf(g: Any, unscaling: Unscaling) -> Any:
   return jnp.where(unscaling.huge, split, x * unscaling.reciprocal.astype(compute)).astype(g.dtype)
 
 
+def _unscaled_exactly_finite(quick: jax.Array, grads: Any, scale: jax.Array) -> jax.Array:
+  del quick
+  return _exactly_finite(float_leaves(unscale(grads, scale)))
+
+
+def _unscaled_counts(ok: jax.Array, grads: Any, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  del ok
+  return _counts(float_leaves(unscale(grads, scale)))
+
+
 class Check(NamedTuple):
   """The outcome of :func:`unscaled_check`.
 
@@ -311,16 +321,11 @@ def _counts(leaves: list) -> tuple[jax.Array, jax.Array]:
   return jnp.stack(infs), jnp.stack(nans)
 
 
-def _no_counts(quick: jax.Array, leaves: list) -> tuple[jax.Array, jax.Array]:
-  # Zeros where this branch is taken (quick is True), typed like the exact
-  # branch's counts inside shard_map (they vary as ``quick`` does).
-  zero = jnp.logical_not(quick).astype(jnp.int32)
+def _no_counts(ok: jax.Array, leaves: list) -> tuple[jax.Array, jax.Array]:
+  # Zeros where this branch is taken (``ok`` is True), typed like the counting branch's counts
+  # inside shard_map (they vary as ``ok`` does).
+  zero = jnp.logical_not(ok).astype(jnp.int32)
   return jnp.broadcast_to(zero, (len(leaves),)), jnp.broadcast_to(zero, (len(leaves),))
-
-
-def _exact_counts(quick: jax.Array, leaves: list) -> tuple[jax.Array, jax.Array]:
-  del quick
-  return _counts(leaves)
 
 
 def unscaled_check(grads: Any, scale: jax.Array, axis_name: AxisName = None,
@@ -367,15 +372,17 @@ def unscaled_check(grads: Any, scale: jax.Array, axis_name: AxisName = None,
   checks.append(scale >= 1.0)
   quick = jnp.stack(checks).all()
 
-  def exact(quick, grads, scale):
-    return _exact_counts(quick, float_leaves(unscale(grads, scale)))
-
-  inf, nan = lax.cond(quick, lambda quick, grads, scale: _no_counts(quick, leaves), exact,
-                      quick, grads, scale)
+  # The decision comes out of a conditional, so that XLA computes it once rather than in every
+  # elementwise kernel that selects with it; the counts come out of a second one that only a
+  # non-finite step runs. (One conditional for both was measured 1.5x slower on XLA:CPU.)
+  ok = lax.cond(quick, _quick_answer, _unscaled_exactly_finite, quick, grads, scale)
+  inf, nan = lax.cond(ok, lambda ok, grads, scale: _no_counts(ok, leaves), _unscaled_counts,
+                      ok, grads, scale)
   if axes:
     # One integer all-reduce: the same counts, and so the same decision, everywhere.
     inf, nan = lax.psum(jnp.stack([inf, nan]), axes)
-  return Check(jnp.logical_not(jnp.any(inf > 0) | jnp.any(nan > 0)), inf, nan)
+    ok = jnp.logical_not(jnp.any(inf > 0) | jnp.any(nan > 0))
+  return Check(ok, inf, nan)
 
 
 def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None,
