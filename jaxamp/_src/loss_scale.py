@@ -156,8 +156,7 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
         skipped_steps=jnp.zeros([], jnp.int32),
         skip_streak=jnp.zeros([], jnp.int32),
         stalled=jnp.zeros([], jnp.bool_),
-        inf_counts=jnp.zeros([num_leaves], jnp.int32),
-        nan_counts=jnp.zeros([num_leaves], jnp.int32),
+        nonfinite_leaves=jnp.zeros([num_leaves], jnp.bool_),
         inner_state=inner_state,
     )
 
@@ -169,9 +168,9 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
     # XLA honours barriers through fusion (see jaxamp._src.finite).
     grads = finite.stored_once(grads)
     unscaled = finite.unscale(grads, state.scale)
-    if len(finite.float_leaves(grads)) != state.inf_counts.shape[0]:
+    if len(finite.float_leaves(grads)) != state.nonfinite_leaves.shape[0]:
       raise ValueError(f"the gradients have {len(finite.float_leaves(grads))} floating leaves, the "
-                       f"params the state was initialised with {state.inf_counts.shape[0]}")
+                       f"params the state was initialised with {state.nonfinite_leaves.shape[0]}")
     checked = {}
 
     def decide(witnesses):
@@ -194,7 +193,7 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
     at_floor = rule.dynamic and state.scale <= jnp.float32(rule.min_scale)
     stalled = found_inf & ((streak >= stall_after) | at_floor)
     return updates, LossScaleState(scale, tracker, overflow, found_inf, skipped_steps, streak,
-                                   stalled, check.inf_counts, check.nan_counts, inner_state)
+                                   stalled, check.nonfinite_leaves, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

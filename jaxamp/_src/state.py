@@ -51,10 +51,10 @@ class LossScaleState(NamedTuple):
       update was skipped and either ``skip_streak`` reached the
       transformation's ``stall_after``, or the scale could not back off any
       more (it was at ``min_scale``).
-    inf_counts: int32 vector with one entry per floating gradient leaf (in
-      tree order): how many elements of the last step's unscaled gradients
-      were inf (all 0 after a finite step). See :func:`skip_report`.
-    nan_counts: the same for nan.
+    nonfinite_leaves: bool vector with one entry per floating gradient leaf
+      (in tree order): whether the last step's unscaled gradients held an
+      inf or a nan there (all False after a finite step). See
+      :func:`skip_report`.
     inner_state: the state of the wrapped transformation.
   """
 
@@ -65,8 +65,7 @@ class LossScaleState(NamedTuple):
   skipped_steps: jax.Array
   skip_streak: jax.Array
   stalled: jax.Array
-  inf_counts: jax.Array
-  nan_counts: jax.Array
+  nonfinite_leaves: jax.Array
   inner_state: optax.OptState
 
 
@@ -362,16 +361,18 @@ def _float_paths(params: Any) -> list[str]:
           if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
 
 
-def skip_report(opt_state: optax.OptState, params: Any, *, counts: bool = False) -> list[Any]:
+def skip_report(opt_state: optax.OptState, params: Any) -> list[str]:
   """The gradient leaves that held an inf or a nan in the last step, by path.
 
   Paths are written as ``jax.tree_util.keystr`` writes them (``"['dec']['w']"``)
   for the floating leaves of ``params``, in tree order; ``[]`` when the last
-  step was finite. The counts behind it are computed inside the step, by the
+  step was finite. The flags behind it are computed inside the step, by the
   exact check that runs only on a step that is not finite, so a good step pays
-  nothing for them. Through :func:`accumulate_gradients` the loss scaler
-  checks a window's accumulated gradients, so the report names the leaves of
-  every non-finite micro-step of the window. Reading the report is a host
+  nothing for them. (They say which leaves, not how many elements: counting
+  inf and nan there was measured to slow every good step on XLA:CPU.)
+  Through :func:`accumulate_gradients` the loss scaler checks a window's
+  accumulated gradients, so the report names the leaves of every non-finite
+  micro-step of the window. Reading the report is a host
   sync: call it where the loop already reads values, not on every step.
 
   Args:
@@ -379,10 +380,9 @@ def skip_report(opt_state: optax.OptState, params: Any, *, counts: bool = False)
       :func:`get_loss_scale_state` finds it).
     params: the parameters (or anything with their tree structure), for the
       paths.
-    counts: also return how many elements were inf and how many nan.
 
   Returns:
-    A list of paths, or with ``counts`` of ``(path, infs, nans)`` tuples.
+    A list of paths.
 
   Raises:
     ValueError: when ``opt_state`` holds no loss-scale state, or ``params``
@@ -397,17 +397,14 @@ def skip_report(opt_state: optax.OptState, params: Any, *, counts: bool = False)
     >>> _, state = tx.update(grads, state, params)
     >>> jaxamp.skip_report(state, params)
     ["['dec']['w']", "['enc']"]
-    >>> jaxamp.skip_report(state, params, counts=True)
-    [("['dec']['w']", 0, 1), ("['enc']", 1, 0)]
   """
   node = get_loss_scale_state(opt_state)
   paths = _float_paths(params)
-  infs, nans = jax.device_get((node.inf_counts, node.nan_counts))
-  if len(paths) != len(infs):
+  flags = jax.device_get(node.nonfinite_leaves)
+  if len(paths) != len(flags):
     raise ValueError(f"params has {len(paths)} floating leaves, but the loss-scale state counts "
-                     f"{len(infs)}: pass the params the optimizer was initialised with")
-  found = [(p, int(i), int(n)) for p, i, n in zip(paths, infs, nans) if i or n]
-  return found if counts else [p for p, _, _ in found]
+                     f"{len(flags)}: pass the params the optimizer was initialised with")
+  return [p for p, bad in zip(paths, flags) if bad]
 
 
 def step_metrics(source: Any) -> dict[str, jax.Array]:
@@ -453,7 +450,7 @@ def upgrade_opt_state(restored: Any, template: optax.OptState) -> optax.OptState
 
   A checkpoint written by an earlier jaxamp holds a :class:`LossScaleState`
   without the fields added since (``skip_streak``, ``stalled``,
-  ``inf_counts``, ``nan_counts``); restoring it into a new state as target
+  ``nonfinite_leaves``); restoring it into a new state as target
   fails with a list of the missing fields. Restore it without a target
   instead (orbax gives nested dicts keyed by field name, and lists for
   tuples) and pass the result here with ``tx.init(params)`` as ``template``:

@@ -214,9 +214,9 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
     state = state.apply_gradients(grads=grads)
     if config.loss_scale:
       health = jaxamp.get_loss_scale_state(state.opt_state)
-      stalled, bad = health.stalled, health.inf_counts + health.nan_counts
+      stalled, bad = health.stalled, health.nonfinite_leaves
     else:
-      stalled, bad = jnp.zeros([], bool), jnp.zeros([num_leaves], jnp.int32)
+      stalled, bad = jnp.zeros([], bool), jnp.zeros([num_leaves], bool)
     return state, (loss, used_scale, state.skipped_steps, stalled, bad)
 
   def evaluate(params, x, y):
@@ -244,7 +244,7 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
     for loss, s, n, stalled, bad in values:
       if micro and int(n) > micro[-1][2] or not micro and int(n) > 0:
         last_skip.update(micro_step=len(micro) + 1,
-                         leaves=[p for p, c in zip(leaf_paths, bad) if c > 0])
+                         leaves=[p for p, c in zip(leaf_paths, bad) if c])
       micro.append((float(loss), float(s), int(n), bool(stalled)))
     pending.clear()
     for step, (loss, acc) in jax.device_get(pending_evals):

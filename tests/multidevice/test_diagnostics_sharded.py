@@ -31,6 +31,6 @@ def test_every_device_reports_the_same_leaves_under_shard_map(mesh):
   x = jax.device_put(x, NamedSharding(mesh, P("data")))
   _, state = step(params, state, x)
   assert jaxamp.skip_report(state, params) == ["['w']"]
-  shards = [np.asarray(s.data) for s in state.inf_counts.addressable_shards]
+  shards = [np.asarray(s.data) for s in state.nonfinite_leaves.addressable_shards]
   assert len(shards) == 8 and all((s == shards[0]).all() for s in shards)
   assert step._cache_size() == 1
