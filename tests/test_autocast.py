@@ -386,3 +386,10 @@ def test_static_arguments_and_pytrees_of_outputs():
   out = g(X, W, train=True, name="abc")
   assert out["h"].dtype == F16 and out["n"].dtype == F32 and int(out["name_len"]) == 3
   assert float(jnp.sum(g(X, W, train=False)["h"] + out["h"])) == 0.0
+
+
+def test_half_products_accumulate_in_float32_on_this_backend():
+  """A sum of 8192 ones is exact: a float16 accumulator would stop at 2048."""
+  x = jnp.ones((1, 8192), jnp.float32)
+  out = jaxamp.autocast(lambda a, b: a @ b, jnp.float16)(x, x.T)
+  assert out.dtype == jnp.float16 and float(out[0, 0]) == 8192.0
