@@ -10,6 +10,7 @@ import pytest
 from jax import lax
 
 import jaxamp
+from tests._problems import classification
 
 F16, BF16, F32, F64 = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
                        jnp.dtype(jnp.float64))
@@ -134,18 +135,9 @@ def _mlp(params, x, labels):
   return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
 
 
-def _problem():
-  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-  params = {"w1": jax.random.normal(k1, (8, 16)) * 0.3, "b1": jnp.zeros(16),
-            "w2": jax.random.normal(k2, (16, 4)) * 0.3}
-  x = jax.random.normal(k3, (32, 8))
-  labels = jnp.arange(32, dtype=jnp.int32) % 4
-  return params, x, labels
-
-
 @pytest.mark.parametrize("dtype, tol", [(F16, 1e-2), (BF16, 5e-2)])
 def test_gradients_are_float32_and_close_to_float32(dtype, tol):
-  params, x, labels = _problem()
+  params, x, labels = classification()
   f = jaxamp.autocast(_mlp, dtype)
   loss, grads = jax.jit(jax.value_and_grad(f))(params, x, labels)
   assert loss.dtype == F32
@@ -162,7 +154,7 @@ def test_gradients_are_float32_and_close_to_float32(dtype, tol):
 
 
 def test_forward_mode_and_vmap():
-  params, x, labels = _problem()
+  params, x, labels = classification()
   f = jaxamp.autocast(_mlp)
   tangent = jax.tree.map(jnp.ones_like, params)
   _, jvp = jax.jvp(lambda p: f(p, x, labels), (params,), (tangent,))
@@ -247,7 +239,7 @@ def test_custom_vjp_forward_is_autocast_and_backward_runs_as_written():
 
 
 def test_one_trace_and_one_compile_per_loop(count_traces):
-  params, x, labels = _problem()
+  params, x, labels = classification()
   counted, counter = count_traces(_mlp)
   loss_fn = jaxamp.autocast(counted)
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0**10)
@@ -275,7 +267,7 @@ def test_one_trace_and_one_compile_per_loop(count_traces):
 
 
 def test_loss_scaling_overflow_is_seen_through_autocast():
-  params, x, labels = _problem()
+  params, x, labels = classification()
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**40)
   opt_state = tx.init(params)
   f = jaxamp.autocast(_mlp)

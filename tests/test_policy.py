@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jaxamp
+from tests._problems import classification
 
 F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 
@@ -121,18 +122,9 @@ def _mlp_loss(params, x, labels):
   return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
 
 
-def _problem():
-  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-  params = {"w1": jax.random.normal(k1, (8, 16)) * 0.3, "b1": jnp.zeros(16),
-            "w2": jax.random.normal(k2, (16, 4)) * 0.3}
-  x = jax.random.normal(k3, (32, 8))
-  labels = jnp.arange(32, dtype=jnp.int32) % 4
-  return params, x, labels
-
-
 @pytest.mark.parametrize("spec, compute", [("c=half", F16), ("p=f32,c=bf16,o=f32", BF16)])
 def test_mixed_precision_computes_in_half_and_returns_float32_grads(spec, compute):
-  params, x, labels = _problem()
+  params, x, labels = classification()
   loss_fn = jaxamp.mixed_precision(_mlp_loss, spec)
   loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, x, labels)
   assert loss.dtype == F32
@@ -181,7 +173,7 @@ def test_mixed_precision_casts_outputs_and_aux_and_keeps_kwargs():
 def test_mixed_precision_with_loss_scaling_end_to_end():
   import optax
 
-  params, x, labels = _problem()
+  params, x, labels = classification()
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0**10)
   opt_state = tx.init(params)
   loss_fn = jaxamp.mixed_precision(_mlp_loss, "c=f16")
