@@ -111,3 +111,60 @@ def test_backward_of_a_scaled_loss_returns_the_loss_itself():
   loss = opt.backward(scaler.scale(loss_fn), X)
   np.testing.assert_allclose(loss, loss_fn(W0, X), rtol=1e-6)
   np.testing.assert_allclose(opt.grads["w"], 2.0**16 * jax.grad(loss_fn)(W0, X)["w"], rtol=1e-5)
+
+
+# PyTorch's "multiple models, losses and optimizers": two losses over two models, one scaler.
+PA = {"w": jnp.array([[0.5, -0.3], [0.2, 0.8]])}
+PB = {"v": jnp.array([0.7, -1.1])}
+
+
+def _out0(pa, pb, x):
+  return jnp.tanh(x @ pa["w"]) @ pb["v"]
+
+
+def loss0(ps, x):
+  return jnp.mean(_out0(ps["a"], ps["b"], x) ** 2)
+
+
+def loss1(ps, x):
+  return jnp.mean((_out0(ps["a"], ps["b"], x) - 1.0) ** 2) + jnp.sum(ps["b"]["v"] ** 2)
+
+
+def test_multiple_models_losses_and_optimizers_with_one_backward_per_loss():
+  wrappers = jaxamp.OptimWrapperDict(a=jaxamp.OptimWrapper(optax.sgd(0.1), PA),
+                                     b=jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9), PB))
+  scaler = jaxamp.GradScaler(init_scale=2.0**10, growth_interval=2)
+  ref = {"a": jaxamp.OptimWrapper(optax.sgd(0.1), PA),
+         "b": jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9), PB)}
+  for step in range(4):
+    x = X * (1.0 + step)
+    wrappers.zero_grad()
+    out = wrappers.backward_all(scaler.scale(loss0), x)   # scaler.scale(loss0).backward()
+    wrappers.backward_all(scaler.scale(loss1), x)          # scaler.scale(loss1).backward()
+    scaler.unscale_(wrappers["a"])                         # optional, as in PyTorch
+    scaler.step(wrappers["a"])
+    scaler.step(wrappers["b"])
+    scaler.update()
+    np.testing.assert_allclose(out, loss0({"a": ref["a"].params, "b": ref["b"].params}, x),
+                               rtol=1e-6)  # the loss itself, not the scaled one
+    # The reference: each wrapper differentiates each loss with respect to its own params.
+    for name, other in (("a", "b"), ("b", "a")):
+      ref[name].zero_grad()
+      for loss in (loss0, loss1):
+        ref[name].backward(lambda p, x, loss=loss, name=name, other=other:
+                           loss({name: p, other: ref[other].params}, x), x)
+    for name in ("a", "b"):
+      ref[name].step()
+      for got, want in zip(jax.tree.leaves(wrappers[name].params),
+                           jax.tree.leaves(ref[name].params)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{name}, step {step}")
+  assert scaler.get_scale() == 2.0**12  # two growths, nothing skipped
+  from jaxamp._src.facade.mmengine import optim_wrapper_dict
+  assert optim_wrapper_dict._value_and_grads._cache_size() == 2  # once per loss, not per step
+
+
+def test_backward_all_refuses_accumulating_wrappers():
+  wrappers = jaxamp.OptimWrapperDict(a=jaxamp.OptimWrapper(optax.sgd(0.1), PA,
+                                                           accumulative_counts=2))
+  with pytest.raises(ValueError, match="backward_all needs accumulative_counts=1"):
+    wrappers.backward_all(lambda ps, x: jnp.sum(ps["a"]["w"]), X)

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+import functools
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp._src import state as state_lib
 
 from jaxamp._src.facade.errors import AssertionKeyError
 from jaxamp._src.facade.errors import AssertionTypeError
 from jaxamp._src.facade.mmengine.hyperparams import ParamGroup
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
+from jaxamp._src.facade.scaled_loss import ScaledLoss
 
 
 
@@ -23,7 +30,8 @@ class OptimWrapperDict(OptimWrapper):
   ``get_momentum()`` return ``{'gen.lr': [...], 'disc.lr': [...]}``;
   ``param_groups`` is a dict of each wrapper's groups. ``update_params``,
   ``backward``, ``step`` and ``optim_context`` raise ``NotImplementedError``:
-  call them on each wrapper.
+  call them on each wrapper. :meth:`backward_all` (jaxamp's) computes the
+  gradients of one loss for several wrappers in one backward pass.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
@@ -53,6 +61,49 @@ class OptimWrapperDict(OptimWrapper):
   def backward(self, loss_fn: Any = None, *args: Any, **kwargs: Any) -> None:
     """Not implemented: call ``backward`` of each wrapper."""
     raise NotImplementedError("`backward` should be called by each optimizer separately`")
+
+  def backward_all(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
+                   **kwargs: Any) -> Any:
+    """One backward pass for a loss of several wrappers' parameters, adding into each one's grads.
+
+    PyTorch's ``loss.backward()`` fills the gradients of every model the loss
+    depends on; here ``loss_fn({name: params, ...}, *args, **kwargs)`` takes
+    the parameters of every wrapper by name, and its gradient with respect to
+    each wrapper's parameters is added to that wrapper's :attr:`grads`. So
+    PyTorch's "multiple models, losses and optimizers" recipe takes one
+    forward and backward pass per loss::
+
+      wrappers.backward_all(scaler.scale(loss0_fn), x)   # scaler.scale(loss0).backward()
+      wrappers.backward_all(scaler.scale(loss1_fn), x)   # scaler.scale(loss1).backward()
+      scaler.step(wrappers['a']); scaler.step(wrappers['b']); scaler.update()
+
+    ``loss_fn`` may be ``scaler.scale(fn)``: the scale is passed into the
+    compiled call (one compile for the loop), and the returned loss is the one
+    before scaling.
+
+    Returns:
+      The loss as ``loss_fn`` computed it (``(loss, aux)`` with ``has_aux``).
+
+    Raises:
+      ValueError: for a wrapper with ``accumulative_counts > 1`` (each
+        wrapper would divide the shared loss by its own count: call
+        ``backward`` on each wrapper instead).
+    """
+    for name, wrapper in self.optim_wrappers.items():
+      if wrapper._counter.accumulative_counts != 1:  # noqa: SLF001
+        raise ValueError(f"backward_all needs accumulative_counts=1, but wrapper {name!r} "
+                         f"accumulates {wrapper._counter.accumulative_counts} calls: call "  # noqa: SLF001
+                         "its own backward instead")
+    params = {name: wrapper.params for name, wrapper in self.optim_wrappers.items()}
+    if isinstance(loss_fn, ScaledLoss):
+      fn, scaler, scale = loss_fn.fn, loss_fn.scaler, loss_fn.scale
+    else:
+      fn, scaler, scale = loss_fn, None, jnp.float32(1.0)
+    out, grads = _value_and_grads(fn, scaler, bool(has_aux), scale, params, args, kwargs)
+    for name, wrapper in self.optim_wrappers.items():
+      held = wrapper.grads
+      wrapper.grads = grads[name] if held is None else jax.tree.map(jnp.add, held, grads[name])
+    return out
 
   def step(self, *args: Any, **kwargs: Any) -> None:
     """Not implemented: call ``step`` of each wrapper."""
@@ -140,3 +191,19 @@ class OptimWrapperDict(OptimWrapper):
     for name, wrapper in self.optim_wrappers.items():
       desc += f"name: {name}\n" + repr(wrapper)
     return desc
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _value_and_grads(fn: Callable[..., Any], scaler: Any, has_aux: bool, scale: jax.Array,
+                     params: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+  def objective(p):
+    if scaler is None:
+      out = fn(p, *args, **kwargs)
+    else:
+      with scaler.using_scale(scale):  # scaler.scale() inside fn uses this scale
+        out = fn(p, *args, **kwargs)
+    loss, aux = out if has_aux else (out, None)
+    return state_lib.multiply_by_scale(loss, scale), (loss, aux)
+
+  grads, (loss, aux) = jax.grad(objective, has_aux=True)(params)
+  return ((loss, aux) if has_aux else loss), grads
