@@ -57,6 +57,15 @@ def test_optax_core_trains():
   assert math.isfinite(out["scale"]) and out["scale"] > 0
 
 
+def test_amp_recipes_each_section_trains():
+  out = run_example("amp_recipes", "--steps", "10")
+  assert set(out["final_losses"]) == {"typical", "gradient_clipping", "gradient_accumulation",
+                                      "gradient_penalty", "multiple_models", "save_and_resume",
+                                      "disabled_scaler"}
+  for name, loss in out["final_losses"].items():
+    assert math.isfinite(loss) and loss < out["first_loss"], name
+
+
 def test_torch_style_trains_and_round_trips_the_scaler_state():
   out = run_example("torch_style", "--steps", "8", "--accumulate", "2", "--batch-size", "32",
                     "--log-every", "4")
