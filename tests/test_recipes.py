@@ -131,6 +131,8 @@ def loss1(ps, x):
 
 
 def test_multiple_models_losses_and_optimizers_with_one_backward_per_loss():
+  from jaxamp._src.facade.mmengine import optim_wrapper_dict
+  compiled = optim_wrapper_dict._value_and_grads._cache_size()
   wrappers = jaxamp.OptimWrapperDict(a=jaxamp.OptimWrapper(optax.sgd(0.1), PA),
                                      b=jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9), PB))
   scaler = jaxamp.GradScaler(init_scale=2.0**10, growth_interval=2)
@@ -159,8 +161,7 @@ def test_multiple_models_losses_and_optimizers_with_one_backward_per_loss():
                            jax.tree.leaves(ref[name].params)):
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{name}, step {step}")
   assert scaler.get_scale() == 2.0**12  # two growths, nothing skipped
-  from jaxamp._src.facade.mmengine import optim_wrapper_dict
-  assert optim_wrapper_dict._value_and_grads._cache_size() == 2  # once per loss, not per step
+  assert optim_wrapper_dict._value_and_grads._cache_size() - compiled == 2  # per loss, not step
 
 
 def test_backward_all_refuses_accumulating_wrappers():
