@@ -1,22 +1,33 @@
 """Whole train steps (forward, backward, update) of a small transformer LM, in two regimes.
 
-Each variant is one jitted step with params and optimizer state donated:
+Every variant trains the same LM with ``optax.adamw`` (optionally clipped),
+params and optimizer state donated:
 
-- ``optax_f32``: plain ``optax.adamw`` on a float32 forward and backward;
+- ``optax_f32``: plain optax on a float32 forward and backward;
 - ``plain_f16``: the same with the forward in float16 and no loss scaling
-  (what mixed precision costs without its protection);
-- ``jaxamp``: float16 forward, ``jaxamp.scale_loss`` and
-  ``jaxamp.dynamic_loss_scale(adamw)`` (the recommended functional path);
-- ``apply_if_finite``: float16 forward, a hand-scaled loss, unscale,
+  (what mixed precision costs without its protection; the baseline);
+- ``jaxamp``: the functional core, one jitted step: ``jaxamp.scale_loss`` and
+  ``jaxamp.dynamic_loss_scale(adamw)``;
+- ``train_state``: ``jaxamp.TrainState`` (``value_and_grad`` and
+  ``apply_gradients``), one jitted step;
+- ``grad_scaler``: the PyTorch-style loop, ``jaxamp.GradScaler`` with
+  ``jaxamp.OptimWrapper(..., donate=True)`` (``backward``, ``step`` and
+  ``update`` are separate jitted calls);
+- ``amp_optim_wrapper``: ``jaxamp.AmpOptimWrapper(..., cast='whole',
+  donate=True).update_params``, the mmengine-style loop;
+- ``apply_if_finite``: optax alone: a hand-scaled loss, unscale,
   ``optax.apply_if_finite(adamw)`` and a hand-written scale update;
-- ``flax_dynamic_scale``: float16 forward and flax's ``DynamicScale`` recipe
-  (unscale, check, update, ``where`` over new and old params and state).
+- ``flax_dynamic_scale``: flax's own ``DynamicScale.value_and_grad`` and the
+  ``jnp.where`` over new and old params and state of flax's imagenet example;
+- ``plain_f16_2calls``, ``jaxamp_2calls``: ``plain_f16`` and ``jaxamp`` as
+  two jitted calls, the backward pass and then the donated update, as the
+  facades run them.
 
 ``--regime compute`` runs a batch of 8 x 128 tokens (the forward and backward
 dominate), ``--regime update`` a batch of 1 x 16 (the optimizer update
 dominates). ``--clip`` puts ``optax.clip_by_global_norm(1.0)`` before adamw.
 Ratios are to ``plain_f16``; ``--cost`` adds XLA's compiled temporary bytes
-as a multiple of the parameter bytes.
+of the one-jit variants, as a multiple of the parameter bytes.
 
 Run: ``python benchmarks/bench_train_step.py [--regime compute|update] [--dtype bfloat16]``.
 """
@@ -24,9 +35,10 @@ Run: ``python benchmarks/bench_train_step.py [--regime compute|update] [--dtype 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +48,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
-from benchmarks.bench_loss_scale import (INIT_SCALE, with_apply_if_finite,  # noqa: E402
-                                         with_flax_dynamic_scale)
+from benchmarks.bench_loss_scale import INIT_SCALE, with_apply_if_finite  # noqa: E402
 from benchmarks.common import device_summary, interleaved_medians, print_ratios  # noqa: E402
 
 REGIMES = {"compute": (8, 128), "update": (1, 16)}
@@ -92,7 +103,9 @@ def _half(params, dtype):
 
 
 # ----------------------------------------------------------------------------- variants
-# Each returns (init(params) -> state, step(params, state, tokens) -> (params, state)).
+# One-jit variants return (init(params) -> state, step(params, state, tokens) -> (params, state));
+# the loops (FACADES) return a zero-argument run() that trains one step on their own copy. Every
+# runner has .params(), the current params (tests/test_benchmarks.py compares them).
 
 
 def optax_f32(inner, dtype):
@@ -126,28 +139,126 @@ def with_jaxamp(inner, dtype):
   return tx.init, step
 
 
-def _scaled_by_hand(make_variant):
-  """A variant of bench_loss_scale (a step over scaled gradients) fed by a half forward."""
+def with_train_state(inner, dtype):
+  tx = jaxamp.dynamic_loss_scale(inner, init_scale=INIT_SCALE)
 
-  def make(inner, dtype):
-    init, update = make_variant(inner)
+  def init(params):
+    return jaxamp.TrainState.create(apply_fn=lm_loss, params=params, tx=tx)
 
-    def step(params, state, tokens):
-      scale = state.scale if hasattr(state, "scale") else state.dynamic_scale.scale
-      scaled = lambda p: lm_loss(_half(p, dtype), tokens) * scale  # noqa: E731
-      return update(params, state, jax.grad(scaled)(params))
+  def step(params, state, tokens):
+    del params  # the state holds them
+    _, grads = state.value_and_grad(lambda p: lm_loss(_half(p, dtype), tokens))(state.params)
+    return None, state.apply_gradients(grads=grads)
 
-    return init, step
+  return init, step
 
-  return make
+
+def with_apply_if_finite_step(inner, dtype):
+  init, update = with_apply_if_finite(inner)
+
+  def step(params, state, tokens):
+    scaled = lambda p: lm_loss(_half(p, dtype), tokens) * state.scale  # noqa: E731
+    return update(params, state, jax.grad(scaled)(params))
+
+  return init, step
+
+
+def with_flax_dynamic_scale(inner, dtype):
+  from flax.training import dynamic_scale  # flax is optional: imported when this variant runs
+
+  def init(params):
+    # Array fields (flax's defaults are Python numbers, which would retrace once).
+    scale = dynamic_scale.DynamicScale(fin_steps=jnp.zeros([], jnp.int32),
+                                       scale=jnp.asarray(INIT_SCALE, jnp.float32))
+    return scale, inner.init(params)
+
+  def step(params, state, tokens):
+    scale, opt_state = state
+    grad_fn = scale.value_and_grad(lambda p: lm_loss(_half(p, dtype), tokens))
+    scale, is_fin, _, grads = grad_fn(params)
+    updates, new_opt_state = inner.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    # flax's imagenet example: keep the old params and optimizer state where not finite.
+    keep = lambda new, old: jnp.where(is_fin, new, old)  # noqa: E731
+    return (jax.tree.map(keep, new_params, params),
+            (scale, jax.tree.map(keep, new_opt_state, opt_state)))
+
+  return init, step
 
 
 VARIANTS: Dict[str, Callable] = {
     "optax_f32": optax_f32,
     "plain_f16": plain_half,
     "jaxamp": with_jaxamp,
-    "apply_if_finite": _scaled_by_hand(with_apply_if_finite),
-    "flax_dynamic_scale": _scaled_by_hand(with_flax_dynamic_scale),
+    "train_state": with_train_state,
+    "apply_if_finite": with_apply_if_finite_step,
+    "flax_dynamic_scale": with_flax_dynamic_scale,
+}
+
+
+def grad_scaler_loop(inner, dtype, params, tokens) -> Callable[[], None]:
+  opt = jaxamp.OptimWrapper(inner, jax.tree.map(jnp.copy, params), donate=True)
+  scaler = jaxamp.GradScaler(init_scale=INIT_SCALE)
+  loss_fn = lambda p, tokens: lm_loss(_half(p, dtype), tokens)  # noqa: E731
+
+  def run():
+    opt.zero_grad()
+    opt.backward(scaler.scale(loss_fn), tokens)
+    scaler.step(opt)
+    scaler.update()
+    jax.block_until_ready(opt.params)
+
+  run.params = lambda: opt.params
+  return run
+
+
+def amp_optim_wrapper_loop(inner, dtype, params, tokens) -> Callable[[], None]:
+  wrapper = jaxamp.AmpOptimWrapper(inner, jax.tree.map(jnp.copy, params), dtype=dtype,
+                                   cast="whole", donate=True,
+                                   loss_scale={"init_scale": INIT_SCALE})
+
+  def run():
+    jax.block_until_ready(wrapper.update_params(lm_loss, tokens))
+
+  run.params = lambda: wrapper.params
+  return run
+
+
+def _two_calls(make_tx, scale_loss):
+  """A loop of two jitted calls: the backward pass, then the donated update (as the facades run)."""
+
+  def loop(inner, dtype, params, tokens) -> Callable[[], None]:
+    tx = make_tx(inner)
+
+    @jax.jit
+    def backward(params, state, tokens):
+      return jax.grad(lambda p: scale_loss(lm_loss(_half(p, dtype), tokens), state))(params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def update(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    box = {"params": jax.tree.map(jnp.copy, params)}
+    box["state"] = tx.init(box["params"])
+
+    def run():
+      grads = backward(box["params"], box["state"], tokens)
+      box["params"], box["state"] = update(box["params"], box["state"], grads)
+      jax.block_until_ready(box["state"])
+
+    run.params = lambda: box["params"]
+    return run
+
+  return loop
+
+
+FACADES: Dict[str, Callable] = {
+    "grad_scaler": grad_scaler_loop,
+    "amp_optim_wrapper": amp_optim_wrapper_loop,
+    "plain_f16_2calls": _two_calls(lambda inner: inner, lambda loss, state: loss),
+    "jaxamp_2calls": _two_calls(lambda inner: jaxamp.dynamic_loss_scale(inner, init_scale=INIT_SCALE),
+                                jaxamp.scale_loss),
 }
 
 
@@ -159,14 +270,21 @@ def make_runner(make_variant, inner, dtype, params, tokens) -> Callable[[], None
 
   def run():
     box["params"], box["state"] = jitted(box["params"], box["state"], tokens)
-    jax.block_until_ready(box["params"])
+    jax.block_until_ready(box["state"])
 
   def temp_bytes() -> float:
     compiled = jitted.lower(box["params"], box["state"], tokens).compile()
     return float(compiled.memory_analysis().temp_size_in_bytes)
 
   run.temp_bytes = temp_bytes
+  # TrainState carries the params in its state (its step returns None for them).
+  run.params = lambda: box["state"].params if box["params"] is None else box["params"]
   return run
+
+
+def temp_bytes(run) -> Optional[float]:
+  """Compiled temporary bytes of a one-jit variant; None for a facade (several programs)."""
+  return run.temp_bytes() if hasattr(run, "temp_bytes") else None
 
 
 def main(argv=None) -> None:
@@ -194,6 +312,7 @@ def main(argv=None) -> None:
         f"{', clipped' if args.clip else ''}; {args.rounds} rounds x {args.inner} calls")
   steps = {name: make_runner(make, inner, dtype, params, tokens)
            for name, make in VARIANTS.items()}
+  steps.update({name: loop(inner, dtype, params, tokens) for name, loop in FACADES.items()})
   medians = interleaved_medians(steps, rounds=args.rounds, inner=args.inner)
   print(f"\nmedian time of plain_f16: {medians['plain_f16'] * 1e3:.2f} ms")
   print_ratios(medians, "plain_f16", f"Whole train step, {args.regime}-bound")
@@ -201,7 +320,9 @@ def main(argv=None) -> None:
     param_bytes = 4.0 * n
     print("\nCompiled temporaries, in parameter bytes:")
     for name, run in steps.items():
-      print(f"  {name:<20} {run.temp_bytes() / param_bytes:6.2f}x")
+      temps = temp_bytes(run)
+      shown = "several programs" if temps is None else f"{temps / param_bytes:6.2f}x"
+      print(f"  {name:<20} {shown}")
 
 
 if __name__ == "__main__":
