@@ -8,8 +8,9 @@ dtype, written as:
   state donated: ``jax.grad`` of the mixed-precision loss times the scale,
   then ``jaxamp.dynamic_loss_scale(optax.chain(jaxamp.clip_grad_norm(1.0),
   optax.adamw(1e-3))).update`` and ``optax.apply_updates``;
-- ``amp_wrapper``: ``jaxamp.AmpOptimWrapper(...).update_params(loss_fn, x, y)``
-  with the same transformation (``accumulative_counts=1``);
+- ``amp_wrapper``: ``jaxamp.AmpOptimWrapper(..., cast='whole').update_params(loss_fn, x, y)``
+  with the same transformation and the same (whole) casting as the core
+  (``accumulative_counts=1``);
 - ``amp_wrapper_donate``, ``amp_wrapper_acc4_donate``: the same with
   ``donate=True`` (the wrapper's params, state and gradient buffer donated);
 - ``amp_wrapper_acc4`` (per micro-batch): the wrapper with
@@ -17,7 +18,10 @@ dtype, written as:
   ``jaxamp.accumulate_gradients(..., 4)`` in one jitted donated step.
 
 Ratios are printed against ``core`` (and ``core_acc4``); the target for
-``amp_wrapper`` is 1.10x.
+``amp_wrapper`` is 1.10x. On XLA:CPU the donated wrapper's program runs
+1.3 to 1.5x slower under the default concurrency-optimized scheduler; run
+with ``XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false`` to
+see the program itself (docs/benchmarks.md).
 
 Run: ``python benchmarks/bench_optim_wrapper.py [--hidden N] [--batch B] [--dtype bfloat16]``.
 """
@@ -84,7 +88,7 @@ def main() -> None:
   def amp_wrapper(donate, **kw):
     wrapper = jaxamp.AmpOptimWrapper(optax.adamw(1e-3), jax.tree.map(jnp.array, params0),
                                      clip_grad=dict(max_norm=1.0), dtype=args.dtype,
-                                     donate=donate, **kw)
+                                     cast="whole", donate=donate, **kw)
 
     def run():
       loss = wrapper.update_params(loss_fn, x, y)
