@@ -19,7 +19,7 @@ dtype, written as:
 
 Ratios are printed against ``core`` (and ``core_acc4``); the target for
 ``amp_wrapper`` is 1.10x. On XLA:CPU the donated wrapper's program runs
-1.3 to 1.5x slower under the default concurrency-optimized scheduler; run
+about 1.5x slower under the default concurrency-optimized scheduler; run
 with ``XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false`` to
 see the program itself (docs/benchmarks.md).
 

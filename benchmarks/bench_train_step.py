@@ -98,8 +98,13 @@ def lm_loss(params, tokens, heads: int = 4):
       logits, targets[..., None], -1)[..., 0])
 
 
-def _half(params, dtype):
-  return jax.tree.map(lambda p: p.astype(dtype), params)
+def half_loss(dtype):
+  """``loss(params, tokens)``: :func:`lm_loss` on the params cast to ``dtype`` (float32 masters)."""
+
+  def loss(params, tokens):
+    return lm_loss(jax.tree.map(lambda p: p.astype(dtype), params), tokens)
+
+  return loss
 
 
 # ----------------------------------------------------------------------------- variants
@@ -121,7 +126,7 @@ def optax_f32(inner, dtype):
 
 def plain_half(inner, dtype):
   def step(params, state, tokens):
-    grads = jax.grad(lambda p: lm_loss(_half(p, dtype), tokens))(params)
+    grads = jax.grad(half_loss(dtype))(params, tokens)
     updates, state = inner.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -132,7 +137,7 @@ def with_jaxamp(inner, dtype):
   tx = jaxamp.dynamic_loss_scale(inner, init_scale=INIT_SCALE)
 
   def step(params, state, tokens):
-    scaled = lambda p: jaxamp.scale_loss(lm_loss(_half(p, dtype), tokens), state)  # noqa: E731
+    scaled = lambda p: jaxamp.scale_loss(half_loss(dtype)(p, tokens), state)  # noqa: E731
     updates, state = tx.update(jax.grad(scaled)(params), state, params)
     return optax.apply_updates(params, updates), state
 
@@ -147,7 +152,7 @@ def with_train_state(inner, dtype):
 
   def step(params, state, tokens):
     del params  # the state holds them
-    _, grads = state.value_and_grad(lambda p: lm_loss(_half(p, dtype), tokens))(state.params)
+    _, grads = state.value_and_grad(half_loss(dtype))(state.params, tokens)
     return None, state.apply_gradients(grads=grads)
 
   return init, step
@@ -157,7 +162,7 @@ def with_apply_if_finite_step(inner, dtype):
   init, update = with_apply_if_finite(inner)
 
   def step(params, state, tokens):
-    scaled = lambda p: lm_loss(_half(p, dtype), tokens) * state.scale  # noqa: E731
+    scaled = lambda p: half_loss(dtype)(p, tokens) * state.scale  # noqa: E731
     return update(params, state, jax.grad(scaled)(params))
 
   return init, step
@@ -174,8 +179,7 @@ def with_flax_dynamic_scale(inner, dtype):
 
   def step(params, state, tokens):
     scale, opt_state = state
-    grad_fn = scale.value_and_grad(lambda p: lm_loss(_half(p, dtype), tokens))
-    scale, is_fin, _, grads = grad_fn(params)
+    scale, is_fin, _, grads = scale.value_and_grad(half_loss(dtype))(params, tokens)
     updates, new_opt_state = inner.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     # flax's imagenet example: keep the old params and optimizer state where not finite.
@@ -199,7 +203,7 @@ VARIANTS: Dict[str, Callable] = {
 def grad_scaler_loop(inner, dtype, params, tokens) -> Callable[[], None]:
   opt = jaxamp.OptimWrapper(inner, jax.tree.map(jnp.copy, params), donate=True)
   scaler = jaxamp.GradScaler(init_scale=INIT_SCALE)
-  loss_fn = lambda p, tokens: lm_loss(_half(p, dtype), tokens)  # noqa: E731
+  loss_fn = half_loss(dtype)  # one function: the holder compiles per function identity
 
   def run():
     opt.zero_grad()
@@ -232,7 +236,7 @@ def _two_calls(make_tx, scale_loss):
 
     @jax.jit
     def backward(params, state, tokens):
-      return jax.grad(lambda p: scale_loss(lm_loss(_half(p, dtype), tokens), state))(params)
+      return jax.grad(lambda p: scale_loss(half_loss(dtype)(p, tokens), state))(params)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def update(params, state, grads):

@@ -36,6 +36,10 @@ def trained(request):
   return params, {name: run.params() for name, run in runs.items()}
 
 
+def assert_trees_close(a, b):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
+
+
 LOSS_SCALED = ["train_state", "grad_scaler", "amp_optim_wrapper", "jaxamp_2calls",
                "apply_if_finite", "flax_dynamic_scale"]
 
@@ -43,13 +47,11 @@ LOSS_SCALED = ["train_state", "grad_scaler", "amp_optim_wrapper", "jaxamp_2calls
 @pytest.mark.parametrize("name", LOSS_SCALED)
 def test_loss_scaled_variants_train_as_the_core(trained, name):
   _, params = trained
-  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
-  jax.tree.map(close, params[name], params["jaxamp"])
+  assert_trees_close(params[name], params["jaxamp"])
 
 
 def test_the_core_trains(trained):
   initial, params = trained
   moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params["jaxamp"], initial)
   assert all(jax.tree.leaves(moved))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               params["plain_f16_2calls"], params["plain_f16"])
+  assert_trees_close(params["plain_f16_2calls"], params["plain_f16"])
