@@ -40,9 +40,10 @@ def test_gradient_penalty_follows_the_scale_from_step_to_step():
   opt = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
   scaler = jaxamp.GradScaler(init_scale=2.0**16, growth_interval=1)
   ref = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
+  loss = penalized_loss(scaler)
   for step in range(6):
     opt.zero_grad()
-    opt.backward(scaler.scale(penalized_loss(scaler)), X)
+    opt.backward(scaler.scale(loss), X)
     scaler.step(opt)
     scaler.update()
     ref.zero_grad()
@@ -104,6 +105,32 @@ def test_wrappers_built_in_every_iteration_compile_once():
   assert trace_counts(opt)["grad"] == 2  # once per kind of wrapper, not once per iteration
 
 
+def test_a_loss_written_inside_the_loop_warns_that_every_iteration_compiles():
+  """``opt.backward(scaler.scale(lambda p: loss_fn(p, batch)))`` in the loop: one warning."""
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
+  scaler = jaxamp.GradScaler()
+  with pytest.warns(RuntimeWarning, match="every iteration compiles") as caught:
+    for step in range(3):
+      batch = X * (1.0 + step)
+      opt.zero_grad()
+      opt.backward(scaler.scale(lambda p: loss_fn(p, batch)))
+      scaler.step(opt)
+      scaler.update()
+  assert len(caught) == 1
+
+
+def test_a_loss_defined_once_or_run_eagerly_does_not_warn():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
+  scaler = jaxamp.GradScaler()
+  for step in range(3):  # filterwarnings = error: a warning fails the test
+    opt.zero_grad()
+    opt.backward(scaler.scale(loss_fn), X * (1.0 + step))
+    with jax.disable_jit():
+      opt.backward(scaler.scale(lambda p, x: loss_fn(p, x)), X)
+    scaler.step(opt)
+    scaler.update()
+
+
 def test_backward_of_a_scaled_loss_returns_the_loss_itself():
   """What a PyTorch loop logs is the loss before ``scaler.scale``."""
   opt = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
@@ -138,6 +165,10 @@ def test_multiple_models_losses_and_optimizers_with_one_backward_per_loss():
   scaler = jaxamp.GradScaler(init_scale=2.0**10, growth_interval=2)
   ref = {"a": jaxamp.OptimWrapper(optax.sgd(0.1), PA),
          "b": jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9), PB)}
+  # The reference: each wrapper differentiates each loss with respect to its own params.
+  ref_losses = {(name, loss): (lambda p, x, q, loss=loss, name=name, other=other:
+                               loss({name: p, other: q}, x))
+                for name, other in (("a", "b"), ("b", "a")) for loss in (loss0, loss1)}
   for step in range(4):
     x = X * (1.0 + step)
     wrappers.zero_grad()
@@ -149,12 +180,10 @@ def test_multiple_models_losses_and_optimizers_with_one_backward_per_loss():
     scaler.update()
     np.testing.assert_allclose(out, loss0({"a": ref["a"].params, "b": ref["b"].params}, x),
                                rtol=1e-6)  # the loss itself, not the scaled one
-    # The reference: each wrapper differentiates each loss with respect to its own params.
     for name, other in (("a", "b"), ("b", "a")):
       ref[name].zero_grad()
       for loss in (loss0, loss1):
-        ref[name].backward(lambda p, x, loss=loss, name=name, other=other:
-                           loss({name: p, other: ref[other].params}, x), x)
+        ref[name].backward(ref_losses[name, loss], x, ref[other].params)
     for name in ("a", "b"):
       ref[name].step()
       for got, want in zip(jax.tree.leaves(wrappers[name].params),

@@ -106,10 +106,11 @@ def test_should_sync_is_the_step_on_which_the_deferred_all_reduce_runs(acc, max_
                                    total_steps=None if max_counts == -1 else max_counts)
   step = jax.pmap(lambda s, g: tx.update(g, s)[1], axis_name="data")
   state = jax.tree.map(lambda a: jnp.broadcast_to(a, (8,) + a.shape), tx.init({"w": jnp.zeros(2)}))
+  loss_fn = lambda p, x: jnp.sum(p["w"] * x)  # noqa: E731
   syncs, closes = [], []
   for _ in range(calls):
     syncs.append(wrapper.should_sync())
-    wrapper.update_params(lambda p, x: jnp.sum(p["w"] * x), jnp.ones(2))
+    wrapper.update_params(loss_fn, jnp.ones(2))
     state = step(state, {"w": jnp.ones((8, 2))})
     closes.append(bool(np.asarray(jaxamp.has_updated(state))[0]))
   assert syncs == closes

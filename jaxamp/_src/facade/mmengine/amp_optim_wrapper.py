@@ -384,7 +384,7 @@ class AmpOptimWrapper(OptimWrapper):
       if new_cfg != self._scaler:
         self._scaler = new_cfg
         self._tx = self._build_transformation()
-        self._jits.clear()
+        self._drop_jits()
       old = state
       return old._replace(
           scale=jax.device_put(np.float32(scale), old.scale.sharding),

@@ -34,6 +34,7 @@ from jaxamp._src.facade.mmengine import trees
 from jaxamp._src.facade.mmengine.clip import parse_clip_grad
 from jaxamp._src.facade.mmengine.counting import AccumulationCounter
 from jaxamp._src.facade.mmengine.jit_args import CallSpec
+from jaxamp._src.facade.mmengine.jit_args import RetraceWatch
 from jaxamp._src.facade.mmengine.jit_args import merge_call
 from jaxamp._src.facade.mmengine.jit_args import split_call
 from jaxamp._src.facade.scaled_loss import ScaledLoss
@@ -234,6 +235,7 @@ class OptimWrapper:
     self._grads_scale: Optional[jax.Array] = None
     self._last_grad_norm: Optional[jax.Array] = None
     self._jits: Dict[str, Callable] = {}
+    self._retraces = RetraceWatch()
     self._factors: Dict[float, jax.Array] = {}
     self._specs: Optional[List[hp.GroupSpec]] = None
     self._defaults: Optional[dict] = None
@@ -281,6 +283,11 @@ class OptimWrapper:
   def donate(self) -> bool:
     """Whether the jitted steps donate the wrapper's buffers (see the class notes)."""
     return self._donate
+
+  def _drop_jits(self) -> None:
+    """Forgets the jitted steps (the transformation changed): the next calls compile anew."""
+    self._jits.clear()
+    self._retraces = RetraceWatch()
 
   def _jitted(self, name: str) -> Callable:
     fn = self._jits.get(name)
@@ -348,7 +355,7 @@ class OptimWrapper:
   # ``'apply_skip'``, ...), the key of ``_jits``.
 
   def _grad_impl(self, name, params, buffer, dynamic, factor, scale, spec):
-    del name
+    self._retraces.traced(name, spec, dynamic, params)
     out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
     if buffer is not None:
       # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
@@ -386,7 +393,7 @@ class OptimWrapper:
     return params, state, norm, found_inf
 
   def _fused_impl(self, name, params, state, buffer, dynamic, factor, spec):
-    del name
+    self._retraces.traced(name, spec, dynamic, params)
     scale = self._loss_scale_of(state)
     out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
     if buffer is not None:
