@@ -6,15 +6,16 @@ import collections
 import dataclasses
 import functools
 import threading
+import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jaxamp._src import autocast_ops as ops
+from jaxamp._src import jaxpr_interp as interp
 from jaxamp._src import policy as policy_lib
 
 _F32 = jnp.dtype(jnp.float32)
@@ -125,73 +126,74 @@ def _cast_like(vals, dtypes):
 # ----------------------------------------------------------------------------- interpreter
 
 
-def _closed(jaxpr) -> jex.core.ClosedJaxpr:
-  if isinstance(jaxpr, jex.core.ClosedJaxpr):
-    return jaxpr
-  return jex.core.ClosedJaxpr(jaxpr, ())
+class AutocastWarning(UserWarning):
+  """autocast met an equation it cannot interpret and runs it at the dtypes it was traced with."""
 
 
-def _eval_closed(closed, args, cfg: _Config):
-  closed = _closed(closed)
-  return _eval(closed.jaxpr, closed.consts, args, cfg)
+class _Run:
+  """One trace's interpretation: its rules, and the primitives it has warned about."""
+
+  def __init__(self, cfg: _Config):
+    self.cfg = cfg
+    self.warned: set = set()
+
+  def fall_back(self, eqn, invals, reason: str):
+    """Warns once per primitive and runs ``eqn`` at its traced dtypes."""
+    name = eqn.primitive.name
+    if name not in self.warned:
+      self.warned.add(name)
+      warnings.warn(f"jaxamp.autocast cannot interpret {name!r} ({reason}); it runs at the "
+                    "dtypes the function was traced with, the operations inside it included",
+                    AutocastWarning, stacklevel=2)
+    return _bind_off(eqn, invals)
 
 
-def _eval(jaxpr, consts, args, cfg: _Config):
-  """Evaluates ``jaxpr`` on ``args``, binding each primitive with its autocast dtypes."""
-  env: dict = {}
-
-  def read(v):
-    return v.val if isinstance(v, jex.core.Literal) else env[v]
-
-  def write(v, val):
-    if not isinstance(v, jex.core.DropVar):
-      env[v] = val
-
-  for v, val in zip(jaxpr.constvars, consts):
-    write(v, val)
-  for v, val in zip(jaxpr.invars, args):
-    write(v, val)
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    outvals = _eval_eqn(eqn, invals, cfg)
-    for v, val in zip(eqn.outvars, outvals):
-      write(v, val)
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _bind(eqn, invals, params=None):
-  params = eqn.params if params is None else params
-  bind_params = eqn.primitive.get_bind_params(params)
-  out = eqn.primitive.bind(*invals, **bind_params)
-  return list(out) if eqn.primitive.multiple_results else [out]
+def _eval_closed(closed, args, run: _Run):
+  return interp.evaluate(closed, args, functools.partial(_eval_eqn, run=run))
 
 
 def _traced_dtypes(eqn):
   return [v.aval.dtype for v in eqn.invars]
 
 
-def _eval_eqn(eqn, invals, cfg: _Config):
+def _bind_off(eqn, invals):
+  return interp.bind(eqn, _cast_like(invals, _traced_dtypes(eqn)))
+
+
+def _eval_eqn(eqn, invals, run: _Run):
+  cfg = run.cfg
   name = eqn.primitive.name
   rule = cfg.rule(name)
-  if name in _RECURSIVE_RULES and cfg.rules.get(name) != "off":
-    return _RECURSIVE_RULES[name](eqn, invals, cfg)
+  if name in _RECURSIVE_RULES:
+    if cfg.rules.get(name) == "off":
+      return _bind_off(eqn, invals)
+    try:
+      return _RECURSIVE_RULES[name](eqn, invals, run)
+    except (interp.InterpretError, _Unsupported) as err:
+      return run.fall_back(eqn, invals, str(err))
+  if name not in cfg.rules and interp.has_subjaxprs(eqn):
+    return run.fall_back(eqn, invals, "autocast does not recurse into its body")
   dtypes = [_dtype_of(v) if hasattr(v, "dtype") else None for v in invals]
   if not any(d is not None and _is_float(d) for d in dtypes):
-    return _bind(eqn, invals)
+    return interp.bind(eqn, invals)
   if rule == "low":
     return _eval_low(eqn, invals, cfg)
   if rule == "float32":
     invals = [_cast(v, _F32) if d is not None and _is_float(d) and d.itemsize < 4 else v
               for v, d in zip(invals, dtypes)]
-    return _bind(eqn, _promote(invals, _weak(eqn)))
+    return interp.bind(eqn, _promote(invals, _weak(eqn)))
   if rule == "promote":
-    return _bind(eqn, _promote(invals, _weak(eqn)))
-  return _bind(eqn, _cast_like(invals, _traced_dtypes(eqn)))
+    return interp.bind(eqn, _promote(invals, _weak(eqn)))
+  return _bind_off(eqn, invals)
+
+
+class _Unsupported(Exception):
+  """An equation of a known primitive in a form autocast leaves at its traced dtypes."""
 
 
 def _weak(eqn):
   # A literal is a constant of the program (a Python scalar): it never widens an operation.
-  return [isinstance(v, jex.core.Literal) or getattr(v.aval, "weak_type", False)
+  return [isinstance(v, interp.Literal) or getattr(v.aval, "weak_type", False)
           for v in eqn.invars]
 
 
@@ -206,132 +208,168 @@ def _eval_low(eqn, invals, cfg: _Config):
     # As jnp.matmul emits for half operands: the accumulation type is the backend's
     # (float32 on GPU, TPU and CPU), and the backward products stay in half precision.
     params["preferred_element_type"] = low
-  return _bind(eqn, cast, params)
+  return interp.bind(eqn, cast, params)
 
 
 # ---- sub-jaxprs
 
 
-def _inline(eqn, invals, cfg):
-  jaxpr = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-  return _eval_closed(jaxpr, invals, cfg)
+def _jit(eqn, invals, run):
+  parts = interp.jit_parts(eqn)
 
+  def body(*xs):
+    return tuple(_eval_closed(parts.jaxpr, xs, run))
 
-def _checkpoint(eqn, invals, cfg):
-  params = eqn.params
-  body = functools.partial(_eval_closed, params["jaxpr"], cfg=cfg)
-  fn = jax.checkpoint(lambda *a: body(a), prevent_cse=params.get("prevent_cse", True),
-                      policy=params.get("policy"))
+  body.__name__ = parts.name
+  sharding = lambda s: s if isinstance(s, jax.sharding.Sharding) else None
+  in_shardings = tuple(sharding(s) for s in parts.in_shardings)
+  out_shardings = tuple(sharding(s) for s in parts.out_shardings)
+  fn = jax.jit(body, in_shardings=in_shardings if any(in_shardings) else None,
+               out_shardings=out_shardings if any(out_shardings) else None,
+               keep_unused=parts.keep_unused, inline=parts.inline)
   return list(fn(*invals))
 
 
-def _cond(eqn, invals, cfg):
+def _call(eqn, invals, run):
+  return _eval_closed(interp.call_jaxpr(eqn), invals, run)
+
+
+def _checkpoint(eqn, invals, run):
+  parts = interp.remat_parts(eqn)
+  fn = jax.checkpoint(lambda *a: _eval_closed(parts.jaxpr, a, run),
+                      prevent_cse=parts.prevent_cse, policy=parts.policy)
+  return list(fn(*invals))
+
+
+def _cond(eqn, invals, run):
+  branches = interp.cond_branches(eqn)
   index, *operands = invals
   out_dtypes = [v.aval.dtype for v in eqn.outvars]
 
   def branch(closed):
-    def run(*ops_):
-      return tuple(_cast_like(_eval_closed(closed, ops_, cfg), out_dtypes))
-    return run
+    def run_branch(*ops_):
+      return tuple(_cast_like(_eval_closed(closed, ops_, run), out_dtypes))
+    return run_branch
 
-  return list(lax.switch(index, [branch(b) for b in eqn.params["branches"]], *operands))
+  return list(lax.switch(index, [branch(b) for b in branches], *operands))
 
 
-def _while(eqn, invals, cfg):
-  params = eqn.params
-  nc, nb = params["cond_nconsts"], params["body_nconsts"]
+def _while(eqn, invals, run):
+  parts = interp.while_parts(eqn)
+  nc, nb = parts.cond_nconsts, parts.body_nconsts
   cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
   carry_dtypes = [v.aval.dtype for v in eqn.outvars]
 
   def cond_fn(carry):
-    return _eval_closed(params["cond_jaxpr"], [*cond_consts, *carry], cfg)[0]
+    return _eval_closed(parts.cond, [*cond_consts, *carry], run)[0]
 
   def body_fn(carry):
-    out = _eval_closed(params["body_jaxpr"], [*body_consts, *carry], cfg)
+    out = _eval_closed(parts.body, [*body_consts, *carry], run)
     return tuple(_cast_like(out, carry_dtypes))
 
   return list(lax.while_loop(cond_fn, body_fn, tuple(_cast_like(init, carry_dtypes))))
 
 
-def _scan(eqn, invals, cfg):
-  params = eqn.params
-  n_consts, n_carry = params["num_consts"], params["num_carry"]
+def _scan(eqn, invals, run):
+  parts = interp.scan_parts(eqn)
+  n_consts, n_carry = parts.num_consts, parts.num_carry
   consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
                       invals[n_consts + n_carry:])
   carry_dtypes = [v.aval.dtype for v in eqn.outvars[:n_carry]]
 
   def body(carry, x):
-    out = _eval_closed(params["jaxpr"], [*consts, *carry, *x], cfg)
+    out = _eval_closed(parts.jaxpr, [*consts, *carry, *x], run)
     return tuple(_cast_like(out[:n_carry], carry_dtypes)), tuple(out[n_carry:])
 
   carry, ys = lax.scan(body, tuple(_cast_like(init, carry_dtypes)), tuple(xs),
-                       length=params["length"], reverse=params["reverse"],
-                       unroll=params["unroll"])
+                       length=parts.length, reverse=parts.reverse, unroll=parts.unroll)
   return [*carry, *ys]
 
 
-def _all_float(avals) -> bool:
-  return all(_is_float(a.dtype) for a in avals)
+def _tangent_zeros(x):
+  """A zero tangent for ``x``: zeros of its dtype, or float0 for integers and keys."""
+  dtype = _dtype_of(x)
+  if jax.dtypes.issubdtype(dtype, jnp.inexact):
+    return jnp.zeros(jnp.shape(x), dtype)
+  return np.zeros(jnp.shape(x), jax.dtypes.float0)
 
 
-def _custom_jvp(eqn, invals, cfg):
-  params = eqn.params
-  call = _closed(params["call_jaxpr"])
-  if params["num_consts"] or not _all_float([*call.in_avals, *call.out_avals]):
-    return _bind(eqn, _cast_like(invals, _traced_dtypes(eqn)))
-  jvp_jaxpr_fun = params["jvp_jaxpr_fun"]
-  n = len(invals)
+def _closed_over(kind: str):
+  return _Unsupported(f"a {kind} function that closes over traced values: as under jax.jit, "
+                      "JAX cannot differentiate it; pass those values as arguments, or use "
+                      "jax.closure_convert")
+
+
+def _custom_jvp(eqn, invals, run):
+  """A ``custom_jvp`` function rebuilt as one whose function and rule are both autocast."""
+  parts = interp.custom_jvp_parts(eqn)
+  if parts.num_consts:
+    raise _closed_over("custom_jvp")
+  floats = [_is_float(a.dtype) for a in parts.call.in_avals]
 
   @jax.custom_jvp
   def fn(*xs):
-    return tuple(_eval_closed(call, xs, cfg))
+    return tuple(_eval_closed(parts.call, xs, run))
 
   @fn.defjvp
   def fn_jvp(primals, tangents):
     outs = fn(*primals)
-    jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*([False] * n))
-    res = _eval(_closed(jvp_jaxpr).jaxpr, [*_closed(jvp_jaxpr).consts, *jvp_consts],
-                [*primals, *tangents], cfg)
+    jvp_jaxpr, out_zeros = parts.jvp([not f for f in floats])
+    nonzero = [t for t, f in zip(tangents, floats) if f]
+    res = _eval_closed(jvp_jaxpr, [*primals, *nonzero], run)
     nz = iter(res[len(out_zeros):])
-    tangents_out = tuple(jnp.zeros_like(o) if zero else _cast(next(nz), _dtype_of(o))
+    tangents_out = tuple(_tangent_zeros(o) if zero else _cast(next(nz), _dtype_of(o))
                          for o, zero in zip(outs, out_zeros))
     return outs, tangents_out
 
   return list(fn(*invals))
 
 
-def _custom_vjp(eqn, invals, cfg):
-  params = eqn.params
-  call = _closed(params["call_jaxpr"])
-  if params["num_consts"] or not _all_float([*call.in_avals, *call.out_avals]):
-    return _bind(eqn, _cast_like(invals, _traced_dtypes(eqn)))
-  n_in, n_out = len(invals), len(call.out_avals)
-  fwd_jaxpr, fwd_consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * n_in))
-  fwd_jaxpr = _closed(fwd_jaxpr)
-  n_res = len(fwd_jaxpr.out_avals) - n_out
-  res_dtypes = [a.dtype for a in fwd_jaxpr.out_avals[:n_res]]
-  out_dtypes = [a.dtype for a in call.out_avals]
-  in_avals = [(jnp.shape(v), _dtype_of(v)) for v in invals]
-  bwd = params["bwd"]
+def _custom_vjp(eqn, invals, run):
+  """A ``custom_vjp`` function rebuilt with its function and forward rule autocast.
 
-  def run_fwd(xs):
-    outs = _eval(fwd_jaxpr.jaxpr, [*fwd_jaxpr.consts, *fwd_consts], xs, cfg)
-    return tuple(_cast_like(outs[:n_res], res_dtypes)), tuple(outs[n_res:])
+  The backward rule runs as written, at the dtypes it was traced with: its
+  residuals and cotangents are cast to those, and its results to the dtypes of
+  the inputs the autocast program gives the function.
+  """
+  parts = interp.custom_vjp_parts(eqn)
+  if parts.num_consts:
+    raise _closed_over("custom_vjp")
+  in_dtypes = _traced_dtypes(eqn)
+  out_dtypes = [a.dtype for a in parts.call.out_avals]
+  n_out = len(out_dtypes)
+  in_float = [jax.dtypes.issubdtype(_dtype_of(v), jnp.inexact) for v in invals]
+  in_cast = [_dtype_of(v) for v in invals]
+  n_in = len(invals)
+
+  def primal(xs):
+    return tuple(_eval_closed(parts.call, xs, run))
 
   @jax.custom_vjp
   def fn(*xs):
-    return run_fwd(xs)[1]
+    return primal(xs)
 
   def fn_fwd(*xs):
-    res, outs = run_fwd(xs)
-    return outs, res
+    fwd_jaxpr = parts.fwd([True] * n_in)
+    outs = _eval_closed(fwd_jaxpr, xs, run)
+    n_res = len(outs) - n_out
+    res_dtypes = [a.dtype for a in fwd_jaxpr.out_avals[:n_res]]
+    res = iter(_cast_like(outs[:n_res], res_dtypes))
+    # Residuals that are inputs are left out of the forward rule's jaxpr.
+    residuals = tuple(next(res) if i is None else _cast(xs[i], in_dtypes[i])
+                      if _is_float(in_dtypes[i]) else xs[i] for i in parts.res_forwards())
+    # The primal outputs take the dtypes that the function gives them.
+    want = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in jax.eval_shape(primal, xs)]
+    primal_out = tuple(_cast(o, w.dtype) if _is_float(_dtype_of(o)) else o
+                       for o, w in zip(outs[n_res:], want))
+    return primal_out, residuals
 
-  def fn_bwd(res, cts):
-    cts_in = bwd.call_wrapped(*res, *_cast_like(cts, out_dtypes))
+  def fn_bwd(residuals, cts):
+    cts_in = parts.bwd(*residuals, *_cast_like(cts, out_dtypes))
     grads = []
-    for ct, (shape, dtype) in zip(cts_in, in_avals):
-      if ct is None or not hasattr(ct, "dtype") or type(ct).__name__ in ("Zero", "SymbolicZero"):
-        grads.append(jnp.zeros(shape, dtype))
+    for ct, dtype, is_float in zip(cts_in, in_cast, in_float):
+      if interp.is_zero(ct) or not is_float:
+        grads.append(None)
       else:
         grads.append(_cast(ct, dtype))
     return tuple(grads)
@@ -340,23 +378,20 @@ def _custom_vjp(eqn, invals, cfg):
   return list(fn(*invals))
 
 
-def _shard_map(eqn, invals, cfg):
-  params = eqn.params
-  body = params["jaxpr"]
+def _shard_map(eqn, invals, run):
+  parts = interp.shard_map_parts(eqn)
 
-  def run(*xs):
-    return tuple(_eval_closed(body, xs, cfg))
+  def body(*xs):
+    return tuple(_eval_closed(parts.jaxpr, xs, run))
 
-  fn = jax.shard_map(run, mesh=params["mesh"], in_specs=tuple(params["in_specs"]),
-                     out_specs=tuple(params["out_specs"]),
-                     axis_names=set(params["newly_manual_axes"]),
-                     check_vma=params["check_vma"])
+  fn = jax.shard_map(body, mesh=parts.mesh, in_specs=parts.in_specs,
+                     out_specs=parts.out_specs, axis_names=set(parts.axis_names),
+                     check_vma=parts.check_vma)
   return list(fn(*invals))
 
 
 _RECURSIVE_RULES = {
-    "jit": _inline, "pjit": _inline, "closed_call": _inline, "core_call": _inline,
-    "call": _inline,
+    "jit": _jit, "pjit": _jit, "closed_call": _call, "core_call": _call, "call": _call,
     "remat": _checkpoint, "remat2": _checkpoint, "checkpoint": _checkpoint,
     "cond": _cond, "while": _while, "scan": _scan,
     "custom_jvp_call": _custom_jvp, "custom_vjp_call": _custom_vjp,
@@ -377,8 +412,10 @@ class _Traced:
   def __init__(self, closed, out_tree, cfg: _Config, name: str):
     self.out_tree = out_tree
 
+    interpretation = _Run(cfg)
+
     def run(*flat):
-      return _eval_closed(closed, flat, cfg)
+      return _eval_closed(closed, flat, interpretation)
 
     run.__name__ = f"autocast_{name}"
     self.run = jax.jit(run)
@@ -401,6 +438,7 @@ def _trace(fn, cfg, name, dynamic, static, treedef):
     out_box.append(out_tree)
     return out_leaves
 
+  interp.check()
   closed = jax.make_jaxpr(flat_fn)(*dynamic)
   tracers = any(isinstance(c, jax.core.Tracer) for c in closed.consts)
   return _Traced(closed, out_box[-1], cfg, name), not tracers
