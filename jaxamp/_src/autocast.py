@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import sys
 import threading
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
@@ -439,7 +440,13 @@ def _trace(fn, cfg, name, dynamic, static, treedef):
     return out_leaves
 
   interp.check()
-  closed = jax.make_jaxpr(flat_fn)(*dynamic)
+  try:
+    closed = jax.make_jaxpr(flat_fn)(*dynamic)
+  except Exception as err:
+    if type(err).__name__ == "TraceContextError":  # flax.errors: an NNX object from outside
+      raise ValueError(f"{name} changes an NNX object that is not among its arguments: "
+                       f"{_CLOSED_OVER}") from err
+    raise
   tracers = any(isinstance(c, jax.core.Tracer) for c in closed.consts)
   return _Traced(closed, out_box[-1], cfg, name), not tracers
 
@@ -472,33 +479,146 @@ class _Autocast:
   def __call__(self, *args, **kwargs):
     if not self._enabled:
       return self._fn(*args, **kwargs)
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    static = [(True, None) if _is_array(x) or isinstance(x, jax.core.Tracer) else (False, x)
-              for x in leaves]
-    dynamic = [x for x, (is_dyn, _) in zip(leaves, static) if is_dyn]
+    fn = self._fn
+    nnx = sys.modules.get("flax.nnx")  # NNX objects exist only once flax.nnx is imported
+    if nnx is not None:
+      fn, args, kwargs = _unbind_graph_nodes(nnx, self._fn, args, kwargs)
+      leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
+      where = tuple(i for i, x in enumerate(leaves) if nnx.graph.is_graph_node(x))
+      if where:
+        return _call_with_graph_nodes(nnx, self._cfg, fn, leaves, treedef, where)
+      _refuse_closed_over_graph_nodes(nnx, fn)
+    return _call_traced(fn, self._cfg, args, kwargs)
+
+
+def _call_traced(fn, cfg: _Config, args, kwargs):
+  """Runs ``fn(*args, **kwargs)`` through its cached autocast trace."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  static = [(True, None) if _is_array(x) or isinstance(x, jax.core.Tracer) else (False, x)
+            for x in leaves]
+  dynamic = [x for x, (is_dyn, _) in zip(leaves, static) if is_dyn]
+  key = None
+  try:
+    key = (fn, cfg, treedef,
+           tuple(jax.typeof(x) if is_dyn else ("static", type(x), x)
+                 for x, (is_dyn, _) in zip(leaves, static)))
+    hash(key)
+  except TypeError:
     key = None
-    try:
-      key = (self._fn, self._cfg, treedef,
-             tuple(jax.typeof(x) if is_dyn else ("static", type(x), x)
-                   for x, (is_dyn, _) in zip(leaves, static)))
-      hash(key)
-    except TypeError:
-      key = None
-    traced = None
-    if key is not None:
+  traced = None
+  if key is not None:
+    with _cache_lock:
+      traced = _cache.get(key)
+      if traced is not None:
+        _cache.move_to_end(key)
+  if traced is None:
+    name = getattr(fn, "__name__", type(fn).__name__)
+    traced, cacheable = _trace(fn, cfg, name, dynamic, static, treedef)
+    if key is not None and cacheable:
       with _cache_lock:
-        traced = _cache.get(key)
-        if traced is not None:
-          _cache.move_to_end(key)
-    if traced is None:
-      name = getattr(self._fn, "__name__", type(self._fn).__name__)
-      traced, cacheable = _trace(self._fn, self._cfg, name, dynamic, static, treedef)
-      if key is not None and cacheable:
-        with _cache_lock:
-          _cache[key] = traced
-          while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-    return jax.tree.unflatten(traced.out_tree, traced.run(*dynamic))
+        _cache[key] = traced
+        while len(_cache) > _CACHE_SIZE:
+          _cache.popitem(last=False)
+  return jax.tree.unflatten(traced.out_tree, traced.run(*dynamic))
+
+
+# ----------------------------------------------------------------------------- Flax NNX
+
+
+def _unbind_graph_nodes(nnx, fn, args, kwargs):
+  """``fn`` and its arguments with a module it is, or is bound to, as the first argument.
+
+  ``autocast(model)``, ``autocast(model.method)`` and ``autocast(partial(f, model))``
+  then split the module's state like any module argument.
+  """
+  is_node = nnx.graph.is_graph_node
+  if is_node(fn):
+    return type(fn).__call__, (fn, *args), kwargs
+  owner = getattr(fn, "__self__", None)
+  if owner is not None and is_node(owner) and hasattr(fn, "__func__"):
+    return fn.__func__, (owner, *args), kwargs
+  if isinstance(fn, functools.partial) and any(
+      is_node(x) for x in jax.tree.leaves((fn.args, fn.keywords), is_leaf=is_node)):
+    return fn.func, (*fn.args, *args), {**fn.keywords, **kwargs}
+  return fn, args, kwargs
+
+
+_CLOSED_OVER = ("its state would be read once, when the function is traced, and its updates "
+                "(batch statistics, RNG counts) lost. Pass it as an argument instead, as "
+                "nnx.grad and nnx.jit expect: jaxamp.autocast(lambda model, x: "
+                "loss(model(x)))(model, x)")
+
+
+def _refuse_closed_over_graph_nodes(nnx, fn):
+  """Refuses a function that reads an NNX object from its closure or its module's globals."""
+  values = []
+  for cell in getattr(fn, "__closure__", None) or ():
+    try:
+      values.append(cell.cell_contents)
+    except ValueError:  # an empty cell
+      continue
+  code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+  if code is not None and isinstance(scope, dict):
+    values.extend(scope[n] for n in code.co_names if n in scope)
+  for value in values:
+    if nnx.graph.is_graph_node(value):
+      raise ValueError(f"autocast({getattr(fn, '__name__', fn)!r}) reads the NNX object "
+                       f"{type(value).__name__} from outside its arguments: {_CLOSED_OVER}")
+
+
+class _GraphCall:
+  """``fn`` on merged NNX objects: a pure function of their state, returning the new state."""
+
+  def __init__(self, nnx, fn, graphdef, treedef, where):
+    self.nnx, self.fn, self.graphdef, self.treedef, self.where = nnx, fn, graphdef, treedef, where
+    self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+  def _key(self):
+    return (self.fn, self.graphdef, self.treedef, self.where)
+
+  def __eq__(self, other):
+    return type(other) is _GraphCall and self._key() == other._key()
+
+  def __hash__(self):
+    return hash((_GraphCall, *self._key()))
+
+  def __call__(self, state, others):
+    nodes = self.nnx.merge(self.graphdef, state)
+    leaves = list(others)
+    for i, node in zip(self.where, nodes):
+      leaves.insert(i, node)
+    args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+    out = self.fn(*args, **kwargs)
+    graphdef, new_state = self.nnx.split(nodes)
+    if graphdef != self.graphdef:
+      raise ValueError(
+          f"{self.__name__} changed the structure of the NNX objects passed to it (it added "
+          "or removed a submodule or a variable); under jaxamp.autocast, as under nnx.jit, "
+          "a function may update the values of their variables but not their structure. "
+          "Create the variables before calling it (for example, run it once without "
+          "autocast)")
+    if any(self.nnx.graph.is_graph_node(x)
+           for x in jax.tree.leaves(out, is_leaf=self.nnx.graph.is_graph_node)):
+      raise ValueError(f"{self.__name__} returns an NNX object; under jaxamp.autocast a "
+                       "function may update the NNX objects passed to it, and return arrays")
+    return out, new_state
+
+
+def _call_with_graph_nodes(nnx, cfg: _Config, fn, leaves, treedef, where):
+  """Calls ``fn`` under autocast with the state of its NNX arguments split out and put back.
+
+  The modules are split (shared references kept), the function runs on merged
+  copies inside the trace, and the state they end with (batch statistics, RNG
+  counts, any variable the function sets) is written back into the modules
+  passed, as ``nnx.jit`` does.
+  """
+  nodes = [leaves[i] for i in where]
+  others = [x for i, x in enumerate(leaves) if i not in where]
+  graphdef, state = nnx.split(nodes)
+  out, new_state = _call_traced(_GraphCall(nnx, fn, graphdef, treedef, where), cfg,
+                                (state, others), {})
+  nnx.update(nodes, new_state)
+  return out
 
 
 def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool = True,
