@@ -360,7 +360,7 @@ def test_the_guarded_entry_point_names_what_moved(monkeypatch):
   with pytest.raises(jaxpr_interp.InterpretError, match=r"jax .*'cond'.*no parameter 'gone'"):
     jaxpr_interp.param(eqn, "gone")
   monkeypatch.setattr(jaxpr_interp, "_checked", [])
-  monkeypatch.setattr(jaxpr_interp, "_user_context", None)
+  monkeypatch.setattr(jaxpr_interp, "_source_info", None)
   with pytest.raises(jaxpr_interp.InterpretError, match="user_context"):
     jaxpr_interp.check()
 

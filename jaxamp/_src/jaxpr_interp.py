@@ -25,12 +25,11 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import jax
 import jax.extend.core as jex_core
 
+_source_info: Any
 try:  # public (jax.extend), though JAX may move it
-  from jax.extend.source_info_util import current_name_stack as _current_name_stack
-  from jax.extend.source_info_util import user_context as _user_context
+  from jax.extend import source_info_util as _source_info
 except ImportError:  # pragma: no cover -- reported by check()
-  _current_name_stack = None  # type: ignore[assignment]
-  _user_context = None  # type: ignore[assignment]
+  _source_info = None
 
 Literal = jex_core.Literal
 Var = jex_core.Var
@@ -54,7 +53,8 @@ def check() -> None:
   """Checks, once, that the internals this module reads exist; raises :class:`InterpretError`."""
   if _checked:
     return
-  if _user_context is None or _current_name_stack is None:
+  if not all(callable(getattr(_source_info, name, None))
+             for name in ("user_context", "current_name_stack")):
     raise _fail("jax.extend.source_info_util has no user_context or current_name_stack")
   if not callable(getattr(jex_core.Primitive, "get_bind_params", None)):
     raise _fail("jax.extend.core.Primitive has no get_bind_params")
@@ -82,9 +82,8 @@ def closed(jaxpr: Any) -> ClosedJaxpr:
 def context(eqn: Any) -> Iterator[None]:
   """The context ``eqn`` was traced in: its name stack, traceback, mesh and compute type."""
   info = eqn.source_info
-  assert _user_context is not None and _current_name_stack is not None  # check() ran
-  with _user_context(info.traceback, name_stack=_current_name_stack() + info.name_stack), \
-      eqn.ctx.manager:
+  name_stack = _source_info.current_name_stack() + info.name_stack
+  with _source_info.user_context(info.traceback, name_stack=name_stack), eqn.ctx.manager:
     yield
 
 
