@@ -240,6 +240,9 @@ def test_unknown_control_flow_warns_once_naming_the_primitive():
     out = jaxamp.autocast(f)(X, w)
   assert len(record) == 1
   np.testing.assert_allclose(out, f(X, w), rtol=1e-6)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # an 'off' override says it is meant
+    jaxamp.autocast(f, overrides={"custom_linear_solve": "off"})(X, w)
 
 
 # ----------------------------------------------------------------------------- the matrix

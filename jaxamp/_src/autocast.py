@@ -650,11 +650,22 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
   boolean and key values are never cast.
 
   ``jit``, ``checkpoint``, ``cond``, ``while_loop``, ``scan``, ``shard_map``
-  and ``custom_jvp``/``custom_vjp`` functions are recursed into. The outputs
-  of ``cond`` and the carries of loops keep their traced dtypes. A
-  ``custom_jvp`` rule is autocast like the function; a ``custom_vjp``'s
-  forward pass is autocast and its backward rule runs as written, on
-  residuals and cotangents cast to the dtypes it was traced with.
+  and ``custom_jvp``/``custom_vjp`` functions are recursed into, keeping
+  their shardings, remat policies and every ``custom_vjp`` pattern JAX allows
+  (forward rules that call the function, residuals that are inputs,
+  ``nondiff_argnums``, symbolic zeros). The outputs of ``cond`` and the
+  carries of loops keep their traced dtypes. A ``custom_jvp`` rule is
+  autocast like the function; a ``custom_vjp``'s forward pass is autocast and
+  its backward rule runs as written, on residuals and cotangents cast to the
+  dtypes it was traced with. Each operation keeps its ``named_scope`` and
+  source information. A primitive with a body that autocast does not enter
+  runs at its traced dtypes, and an :class:`AutocastWarning` names it once
+  per trace (an ``'off'`` override for it silences the warning).
+
+  Flax NNX modules among the arguments (or ``fn`` itself, a method bound to
+  one, a ``functools.partial`` of one) have their state split out before the
+  trace and written back after it, as ``nnx.jit`` does, so batch statistics
+  and RNG counts update as without autocast.
 
   Args:
     fn: the function to transform; its array arguments (pytrees of them) are
@@ -673,7 +684,9 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
 
   Raises:
     ValueError: for a ``dtype`` other than float16 or bfloat16, or an
-      unknown rule in ``overrides``.
+      unknown rule in ``overrides``; when called, for a function that reads
+      an NNX module from outside its arguments or changes the structure of
+      one.
     TypeError: for a ``dtype`` or ``overrides`` key that is not one.
 
   Examples:
