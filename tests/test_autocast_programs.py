@@ -315,10 +315,12 @@ def test_control_flow_matrix_autocast(name, dtype):
     if name != "while_loop":  # fori_loop with a traced trip count is forward-only in JAX
       assert_grads_close(scoped, (W, X), dtype)
     # Names survive into the lowered program, the inner scopes' included.
-    text = jax.jit(jax.grad(g)).lower(W, X).as_text(debug_info=True)
-    assert "outer_scope" in text
+    text = jax.jit(g).lower(W, X).as_text(debug_info=True)
+    assert "outer_scope/" in text and "outer_scope/outer_scope" not in text
+    assert "test_autocast_programs.py" in text  # the source lines of the operations
     if name == "named_scope":
-      assert "matrix_scope" in text
+      assert "outer_scope/matrix_scope/" in text
+    assert "outer_scope/" in jax.jit(jax.grad(g)).lower(W, X).as_text(debug_info=True)
 
 
 def _update_with(name):

@@ -158,7 +158,7 @@ def _traced_dtypes(eqn):
 
 
 def _bind_off(eqn, invals):
-  return interp.bind(eqn, _cast_like(invals, _traced_dtypes(eqn)))
+  return interp.bind_here(eqn, _cast_like(invals, _traced_dtypes(eqn)))
 
 
 def _eval_eqn(eqn, invals, run: _Run):
@@ -176,15 +176,15 @@ def _eval_eqn(eqn, invals, run: _Run):
     return run.fall_back(eqn, invals, "autocast does not recurse into its body")
   dtypes = [_dtype_of(v) if hasattr(v, "dtype") else None for v in invals]
   if not any(d is not None and _is_float(d) for d in dtypes):
-    return interp.bind(eqn, invals)
+    return interp.bind_here(eqn, invals)
   if rule == "low":
     return _eval_low(eqn, invals, cfg)
   if rule == "float32":
     invals = [_cast(v, _F32) if d is not None and _is_float(d) and d.itemsize < 4 else v
               for v, d in zip(invals, dtypes)]
-    return interp.bind(eqn, _promote(invals, _weak(eqn)))
+    return interp.bind_here(eqn, _promote(invals, _weak(eqn)))
   if rule == "promote":
-    return interp.bind(eqn, _promote(invals, _weak(eqn)))
+    return interp.bind_here(eqn, _promote(invals, _weak(eqn)))
   return _bind_off(eqn, invals)
 
 
@@ -209,7 +209,7 @@ def _eval_low(eqn, invals, cfg: _Config):
     # As jnp.matmul emits for half operands: the accumulation type is the backend's
     # (float32 on GPU, TPU and CPU), and the backward products stay in half precision.
     params["preferred_element_type"] = low
-  return interp.bind(eqn, cast, params)
+  return interp.bind_here(eqn, cast, params)
 
 
 # ---- sub-jaxprs

@@ -89,9 +89,14 @@ def context(eqn: Any) -> Iterator[None]:
 
 def bind(eqn: Any, invals: Sequence[Any], params: Optional[dict] = None) -> list:
   """Binds ``eqn``'s primitive on ``invals`` in the equation's context; a list of outputs."""
-  params = eqn.params if params is None else params
   with context(eqn):
-    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+    return bind_here(eqn, invals, params)
+
+
+def bind_here(eqn: Any, invals: Sequence[Any], params: Optional[dict] = None) -> list:
+  """Binds ``eqn``'s primitive on ``invals`` where :func:`evaluate` has entered its context."""
+  params = eqn.params if params is None else params
+  out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
@@ -114,7 +119,8 @@ def evaluate(jaxpr: Any, args: Sequence[Any],
   """Evaluates the (closed) ``jaxpr`` on ``args``; ``eval_eqn(eqn, invals)`` runs each equation.
 
   ``eval_eqn`` runs inside the equation's :func:`context`, so what it binds
-  keeps the equation's name stack and source information.
+  (with :func:`bind_here`, or anything it traces) keeps the equation's name
+  stack and source information.
   """
   jaxpr = closed(jaxpr)
   env = Env()
