@@ -128,6 +128,21 @@ def _apply_jvp(fn, x):
 _apply_jvp.defjvp(lambda fn, p, t: (fn(p[0]), t[0] * 5.0))
 
 
+@jax.custom_jvp
+def _product_sz(a, b):
+  return a * b
+
+
+def _product_sz_jvp(primals, tangents):
+  a, b = primals
+  ta, tb = (jnp.zeros_like(p) if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
+            for p, t in zip(primals, tangents))
+  return _product_sz(a, b), ta * b + a * tb
+
+
+_product_sz.defjvp(_product_sz_jvp, symbolic_zeros=True)
+
+
 @jax.custom_vjp
 def _times_int(x, n):
   return x * n.astype(x.dtype)
@@ -144,6 +159,7 @@ CUSTOM_RULES = {
     "symbolic_zeros": lambda w: jnp.sum(_pair(X @ w, jnp.ones((3, 4)))[0]),
     "custom_jvp_defjvps": lambda w: jnp.sum(_product(X @ w, X @ w)),
     "custom_jvp_nondiff_argnums": lambda w: jnp.sum(_apply_jvp(jnp.sin, X @ w)),
+    "custom_jvp_symbolic_zeros": lambda w: jnp.sum(_product_sz(X @ w, jnp.ones((3, 4)))),
     "integer_input": lambda w: jnp.sum(_times_int(X @ w, jnp.int32(3))),
     "optax_scale_gradient": lambda w: jnp.sum(optax.scale_gradient(jnp.tanh(X @ w), 0.5)),
     "relu": lambda w: jnp.sum(jax.nn.relu(X @ w)),
@@ -403,7 +419,10 @@ def test_nnx_step_updates_batch_stats_and_rng_as_without_autocast(dtype):
   x = jax.random.normal(jax.random.key(0), (8, 4)) * 3.0 + 1.0
   y = jnp.ones((8, 2))
 
+  traces = []
+
   def loss_fn(model, x, y):
+    traces.append(None)
     return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
 
   results = []
@@ -418,6 +437,7 @@ def test_nnx_step_updates_batch_stats_and_rng_as_without_autocast(dtype):
       grads = step(model, x, y)
     results.append((nnx.state(model, nnx.BatchStat), model.drop.rngs.count[...],
                     model.drop.rngs.key[...], grads))
+  assert len(traces) == 2  # one trace with autocast, one without: the step compiles once
   (stats, count, key, grads), (stats_a, count_a, key_a, grads_a) = results
   assert int(count) == 2 and int(count_a) == 2
   np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(key_a))
