@@ -97,13 +97,17 @@ def _pair(a, b):
   return a * b, a + b
 
 
+_PERTURBED = []
+
+
 def _pair_fwd(a, b):  # symbolic zeros: the forward rule sees which inputs are perturbed
-  assert isinstance(a.perturbed, bool)
+  _PERTURBED.append((a.perturbed, b.perturbed))
   return _pair(a.value, b.value), (a.value, b.value)
 
 
 def _pair_bwd(res, g):
   a, b = res
+  _PERTURBED.append(tuple(isinstance(t, jax.custom_derivatives.SymbolicZero) for t in g))
   g1, g2 = (jnp.zeros_like(a) if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
             for t in g)
   return g1 * b + g2, g1 * a + g2
@@ -177,6 +181,18 @@ def test_custom_rule_patterns(name, dtype):
     np.testing.assert_allclose(jaxamp.autocast(f, dtype)(W), f(W), rtol=TOL[dtype])
     assert_grads_close(f, (W,), dtype)
     assert dot_dtypes(jaxamp.autocast(f, dtype), W)[0] == (dtype, dtype)
+
+
+@LOW
+def test_symbolic_zeros_reach_the_rules_as_without_autocast(dtype):
+  f = CUSTOM_RULES["symbolic_zeros"]
+  seen = []
+  for fn in (f, jaxamp.autocast(lambda w: f(w), dtype)):  # a new function: traced anew
+    _PERTURBED.clear()
+    jax.grad(fn)(W)
+    seen.append(list(_PERTURBED))
+  # The constant second input is not perturbed; the unused second output's cotangent is zero.
+  assert seen[0] == seen[1] == [(True, False), (False, True)]
 
 
 def test_the_backward_rule_runs_at_the_dtypes_it_was_written_for():

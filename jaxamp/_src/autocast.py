@@ -351,7 +351,11 @@ def _custom_vjp(eqn, invals, run):
     return primal(xs)
 
   def fn_fwd(*xs):
-    fwd_jaxpr = parts.fwd([True] * n_in)
+    if parts.symbolic_zeros:  # the rule learns which inputs are perturbed, as without autocast
+      perturbed, xs = [x.perturbed for x in xs], tuple(x.value for x in xs)
+    else:
+      perturbed = [True] * n_in
+    fwd_jaxpr = parts.fwd(perturbed)
     outs = _eval_closed(fwd_jaxpr, xs, run)
     n_res = len(outs) - n_out
     res_dtypes = [a.dtype for a in fwd_jaxpr.out_avals[:n_res]]
@@ -366,7 +370,10 @@ def _custom_vjp(eqn, invals, run):
     return primal_out, residuals
 
   def fn_bwd(residuals, cts):
-    cts_in = parts.bwd(*residuals, *_cast_like(cts, out_dtypes))
+    cts = [jax.custom_derivatives.SymbolicZero(a.to_tangent_aval()) if interp.is_zero(ct)
+           else _cast(ct, a.dtype) if _is_float(a.dtype) else ct
+           for ct, a in zip(cts, parts.call.out_avals)]
+    cts_in = parts.bwd(*residuals, *cts)
     grads = []
     for ct, dtype, is_float in zip(cts_in, in_cast, in_float):
       if interp.is_zero(ct) or not is_float:
@@ -375,7 +382,7 @@ def _custom_vjp(eqn, invals, run):
         grads.append(_cast(ct, dtype))
     return tuple(grads)
 
-  fn.defvjp(fn_fwd, fn_bwd)
+  fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=parts.symbolic_zeros)
   return list(fn(*invals))
 
 

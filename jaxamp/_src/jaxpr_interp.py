@@ -273,6 +273,7 @@ class CustomVjpParts(NamedTuple):
   fwd: Callable[[Sequence[bool]], ClosedJaxpr]  # perturbed inputs -> fwd jaxpr
   bwd: Callable[..., Sequence[Any]]  # (*residuals, *cotangents) -> flat input cotangents
   res_forwards: Callable[[], list]  # for each residual, the index of the input it is, or None
+  symbolic_zeros: bool  # the rules see perturbation flags and symbolic zero cotangents
 
 
 def custom_vjp_parts(eqn: Any) -> CustomVjpParts:
@@ -300,7 +301,8 @@ def custom_vjp_parts(eqn: Any) -> CustomVjpParts:
     return forwards
 
   return CustomVjpParts(closed(param(eqn, "call_jaxpr")), int(param(eqn, "num_consts")), fwd,
-                        lambda *args: list(bwd.call_wrapped(*args)), res_forwards)
+                        lambda *args: list(bwd.call_wrapped(*args)), res_forwards,
+                        bool(param(eqn, "symbolic_zeros")))
 
 
 def is_zero(x: Any) -> bool:
