@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.mmengine import trees
@@ -100,6 +101,10 @@ def _check_paramwise(paramwise: Any, base_wd: Optional[float], hp_keys: Sequence
       for key in entry:
         if key not in accepted:
           raise ValueError(f"Unknown key {key!r} in custom_keys[{name!r}]; accepted: {accepted}")
+      for key in ("lr_mult", "decay_mult"):
+        if key in entry:
+          outside.hyperparam(f"paramwise_cfg['custom_keys'][{name!r}][{key!r}]", entry[key],
+                             key=key)
       if base_wd is None and "decay_mult" in entry:
         raise ValueError("base_wd should not be None")
   if base_wd is None and any(k in paramwise for k in ("bias_decay_mult", "norm_decay_mult",
@@ -108,7 +113,7 @@ def _check_paramwise(paramwise: Any, base_wd: Optional[float], hp_keys: Sequence
   for key in ("bias_lr_mult", "bias_decay_mult", "norm_decay_mult", "dwconv_decay_mult",
               "flat_decay_mult", "dcn_offset_lr_mult"):
     if paramwise.get(key) is not None:
-      validation.check_real(key, paramwise[key])
+      outside.hyperparam(f"paramwise_cfg[{key!r}]", paramwise[key], key="lr_mult")
   return paramwise
 
 

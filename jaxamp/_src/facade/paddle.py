@@ -16,11 +16,16 @@ import numpy as np
 
 from jaxamp._src import state as state_lib
 from jaxamp._src import loss_scale
+from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.facade import scaler_core as core
 from jaxamp._src.facade import stall
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.scaled_loss import ScaledLoss
+
+
+_STATE_KEYS = ("scale", "incr_ratio", "decr_ratio", "incr_every_n_steps",
+               "decr_every_n_nan_or_inf", "incr_count", "decr_count", "use_dynamic_loss_scaling")
 
 
 class GradScaler:
@@ -325,10 +330,10 @@ class GradScaler:
   def set_init_loss_scaling(self, new_init_loss_scaling: float) -> None:
     """Sets the initial loss scaling and resets the current scale to it (counters kept)."""
     rule = self._rule or loss_scale.ScaleRule()
-    validation.check_scale("new_init_loss_scaling", new_init_loss_scaling, rule.min_scale,
-                           rule.max_scale)
+    value = outside.scale("new_init_loss_scaling", new_init_loss_scaling, rule.min_scale,
+                          rule.max_scale)
     self._init_loss_scaling = new_init_loss_scaling
-    self._state = self._state._replace(scale=jnp.asarray(new_init_loss_scaling, jnp.float32))
+    self._state = self._state._replace(scale=jnp.asarray(value, jnp.float32))
 
   def get_incr_ratio(self) -> float:
     """The multiplier used to increase the scale."""
@@ -402,34 +407,40 @@ class GradScaler:
   def load_state_dict(self, state_dict: dict[str, Any]) -> None:
     """Loads a state dict in Paddle's format (no-op when disabled).
 
-    ``scale`` may be Paddle's one-element array or a plain number.
+    ``scale`` may be Paddle's one-element array or a plain number. Every
+    value is checked with the constructor's rules before anything changes
+    (a scale within ``[min_scale, max_scale]``, counters in
+    ``[0, 2**31 - 1]``, ``use_dynamic_loss_scaling`` a bool): a refused dict
+    leaves the scaler as it was.
 
     Raises:
       RuntimeError: for an empty dict (saved by a disabled scaler).
       KeyError: for a missing key.
-      ValueError, TypeError: for values this scaler cannot use.
+      ValueError, TypeError: for values this scaler cannot use (Paddle
+        reads ``"False"`` as true and uses the first element of a longer
+        ``scale``), unexpected keys, or a state dict that is not a dict.
     """
     if not self._enable:
       return
+    outside.mapping("state_dict", state_dict)
     core.require_nonempty(state_dict, "The input state dict is empty, possibly because it was "
                           "saved from a disabled instance of GradScaler.")
-    scale = state_dict["scale"]
-    if core.is_array(scale) or isinstance(scale, (list, tuple)):
-      scale = np.asarray(scale).reshape(-1)[0]
+    outside.keys("state_dict", state_dict, _STATE_KEYS)
     rule = loss_scale.make_rule(growth_factor=state_dict["incr_ratio"],
                                 backoff_factor=state_dict["decr_ratio"],
                                 growth_interval=state_dict["incr_every_n_steps"],
                                 hysteresis=state_dict["decr_every_n_nan_or_inf"])
-    validation.check_scale("scale", core.as_float("scale", scale), rule.min_scale,
-                           rule.max_scale)
-    incr_count = core.as_count("incr_count", state_dict["incr_count"])
-    decr_count = core.as_count("decr_count", state_dict["decr_count"])
-    dynamic = state_dict["use_dynamic_loss_scaling"]
+    scale = outside.scale("state_dict['scale']", state_dict["scale"], rule.min_scale,
+                          rule.max_scale)
+    incr_count = outside.counter("state_dict['incr_count']", state_dict["incr_count"])
+    decr_count = outside.counter("state_dict['decr_count']", state_dict["decr_count"])
+    dynamic = outside.flag("state_dict['use_dynamic_loss_scaling']",
+                           state_dict["use_dynamic_loss_scaling"])
     self._rule = rule
     self._init_loss_scaling = scale
-    self._incr_ratio = state_dict["incr_ratio"]
-    self._decr_ratio = state_dict["decr_ratio"]
-    self._incr_every_n_steps = state_dict["incr_every_n_steps"]
-    self._decr_every_n_nan_or_inf = state_dict["decr_every_n_nan_or_inf"]
-    self._use_dynamic_loss_scaling = bool(dynamic)
-    self._state = core.make_state(core.as_float("scale", scale), incr_count, decr_count)
+    self._incr_ratio = rule.growth_factor
+    self._decr_ratio = rule.backoff_factor
+    self._incr_every_n_steps = rule.growth_interval
+    self._decr_every_n_nan_or_inf = rule.hysteresis
+    self._use_dynamic_loss_scaling = dynamic
+    self._state = core.make_state(scale, incr_count, decr_count)

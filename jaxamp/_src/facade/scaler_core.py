@@ -213,6 +213,12 @@ def holder_donates(optimizer: Any) -> bool:
   return getattr(optimizer, "donate", False) is True
 
 
+def holder_grads_empty(optimizer: Any) -> bool:
+  """Whether ``optimizer`` holds no gradients (``None`` or an empty tree)."""
+  grads = optimizer.grads
+  return grads is None or not jax.tree.leaves(grads)
+
+
 def has_float16_leaf(tree: Any) -> bool:
   """Whether any leaf of ``tree`` is float16."""
   return any(jnp.result_type(leaf) == jnp.float16 for leaf in jax.tree.leaves(tree))
