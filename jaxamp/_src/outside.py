@@ -79,17 +79,8 @@ def scale(name: str, value: Any, low: float = MIN_SCALE, high: float = MAX_SCALE
     >>> scale("scale", np.array([1024.0], np.float32))
     1024.0
   """
-  accepted = f"a positive, finite number in [{low!r}, {high!r}]"
-  value = _host_scalar(name, value, accepted)
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-    raise TypeError(f"{name} must be {accepted}, got {value!r} of type {type(value).__name__}")
-  out = float(value)
-  if not math.isfinite(out) or out <= 0.0:
-    raise ValueError(f"{name} must be {accepted}, got {value!r}")
-  if not low <= out <= high:
-    raise ValueError(f"{name} must be {accepted} (between min_scale and max_scale), "
-                     f"got {value!r}")
-  return out
+  value = _host_scalar(name, value, "a positive, finite number")
+  return validation.check_scale(name, value, low, high)
 
 
 def counter(name: str, value: Any, minimum: int = 0, maximum: int = INT32_MAX) -> int:
@@ -106,14 +97,8 @@ def counter(name: str, value: Any, minimum: int = 0, maximum: int = INT32_MAX) -
     >>> counter("_growth_tracker", np.int32(5))
     5
   """
-  accepted = f"an int in [{minimum}, {maximum}]"
-  value = _host_scalar(name, value, accepted)
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be {accepted}, got {value!r} of type {type(value).__name__}")
-  out = int(value)
-  if not minimum <= out <= maximum:
-    raise ValueError(f"{name} must be {accepted}, got {value!r}")
-  return out
+  value = _host_scalar(name, value, f"an int in [{minimum}, {maximum}]")
+  return validation.check_int(name, value, minimum=minimum, maximum=maximum)
 
 
 def flag(name: str, value: Any) -> bool:
@@ -263,7 +248,8 @@ def fits(name: str, value: Any, dtype: Any) -> np.ndarray:
   return raw.astype(dtype)
 
 
-_UNBOUNDED_FLOATS = ("total_norm",)  # a recorded norm may be inf or nan (a skipped step's)
+_UNBOUNDED_FLOATS = ("total_norm",)
+_INJECT_TYPES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)  # a recorded norm may be inf or nan (a skipped step's)
 
 
 def _is_named(node: Any) -> bool:
@@ -321,6 +307,10 @@ def _walk(tree: Any, prefix: str, floats: list, names: list) -> None:
       _walk(node.acc_grads, where + ".acc_grads", floats, names)
       _walk(node.inner_state, where + ".inner_state", floats, names)
     elif is_checked(node):
+      if isinstance(node, _INJECT_TYPES):
+        for key, value in node.hyperparams.items():
+          if np.size(_concrete(value)) == 1 and key in NON_NEGATIVE:
+            hyperparam(f"{where}.hyperparams[{key!r}]", _concrete(value), key=key)
       count = _concrete(node.count)
       if np.size(count) == 1 and np.issubdtype(np.asarray(count).dtype, np.integer):
         counter(f"{where}.count", count)
@@ -354,6 +344,9 @@ def validate_opt_state(opt_state: optax.OptState, template: Optional[optax.OptSt
     counters in ``[0, 2**31 - 1]``; bool flags;
   * every :class:`jaxamp.AccumulationState`: counters in range, a bool flag;
   * every ``count`` field (optax's step counts): in ``[0, 2**31 - 1]``;
+  * the injected hyperparameters (``optax.inject_hyperparams``) that
+    PyTorch bounds below (``learning_rate``, ``momentum``, ``weight_decay``,
+    ``eps``...): not negative;
   * every other floating leaf (moments, accumulated gradients, injected
     hyperparameters): finite, read in one reduction on the device (one host
     sync). A recorded gradient norm (``total_norm``) may be inf or nan.
@@ -377,7 +370,7 @@ def validate_opt_state(opt_state: optax.OptState, template: Optional[optax.OptSt
     >>> jaxamp.validate_opt_state(state._replace(scale=jnp.float32(-4.0)))
     Traceback (most recent call last):
     ...
-    ValueError: state.scale must be a positive, finite number in [1.1754943508222875e-38, 3.4028234663852886e+38], got -4.0
+    ValueError: state.scale must be a positive, finite number, got -4.0
   """
   if template is not None:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)

@@ -229,7 +229,8 @@ def set_loss_scale(opt_state: optax.OptState, scale: Any) -> optax.OptState:
   else:
     if isinstance(scale, (np.ndarray, jax.Array)) and np.ndim(scale) != 0:
       raise ValueError(f"scale must be a scalar, got an array of shape {np.shape(scale)}")
-    value = jnp.asarray(outside.scale("scale", scale), jnp.float32)
+    value = jnp.asarray(outside.scale("scale", scale, DEFAULT_MIN_SCALE, DEFAULT_MAX_SCALE),
+                        jnp.float32)
 
   def put(node):
     return node._replace(scale=value) if isinstance(node, LossScaleState) else node

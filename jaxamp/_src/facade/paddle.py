@@ -28,6 +28,23 @@ _STATE_KEYS = ("scale", "incr_ratio", "decr_ratio", "incr_every_n_steps",
                "decr_every_n_nan_or_inf", "incr_count", "decr_count", "use_dynamic_loss_scaling")
 
 
+_PADDLE_NAMES = {"growth_factor": "incr_ratio", "backoff_factor": "decr_ratio",
+                 "growth_interval": "incr_every_n_steps",
+                 "hysteresis": "decr_every_n_nan_or_inf"}
+
+
+def _paddle_rule(where: str = "", **values: Any) -> loss_scale.ScaleRule:
+  """``loss_scale.make_rule`` with its errors naming Paddle's arguments (``incr_ratio``...)."""
+  try:
+    return loss_scale.make_rule(**values)
+  except (TypeError, ValueError) as err:
+    message = str(err)
+    for core_name, paddle_name in _PADDLE_NAMES.items():
+      name = f"{where}[{paddle_name!r}]" if where else paddle_name
+      message = message.replace(core_name, name)
+    raise type(err)(message) from None
+
+
 class GradScaler:
   """Dynamic loss scaling with Paddle's ``paddle.amp.GradScaler`` API and rule.
 
@@ -146,10 +163,10 @@ class GradScaler:
     self._decr_every_n_nan_or_inf = decr_every_n_nan_or_inf
     self._rule: Optional[loss_scale.ScaleRule] = None
     if self._enable:
-      core.check_factor_types(incr_ratio=incr_ratio, decr_ratio=decr_ratio)
-      if incr_ratio <= 1.0:
+      incr, decr = core.check_factor_types(incr_ratio=incr_ratio, decr_ratio=decr_ratio)
+      if incr <= 1.0:
         raise AssertionValueError("The incr_ratio must be > 1.0.")
-      if decr_ratio >= 1.0:
+      if decr >= 1.0:
         raise AssertionValueError("The decr_ratio must be < 1.0.")
       self._rule = self._make_rule()
       validation.check_scale("init_loss_scaling", init_loss_scaling, self._rule.min_scale,
@@ -167,7 +184,7 @@ class GradScaler:
         growth_factor=self._incr_ratio, backoff_factor=self._decr_ratio,
         growth_interval=self._incr_every_n_steps, hysteresis=self._decr_every_n_nan_or_inf)
     values.update(changes)
-    return loss_scale.make_rule(**values)
+    return _paddle_rule(**values)
 
   def __repr__(self) -> str:
     return (f"GradScaler(enable={self._enable}, incr_ratio={self._incr_ratio!r}, "
@@ -341,8 +358,7 @@ class GradScaler:
 
   def set_incr_ratio(self, new_incr_ratio: float) -> None:
     """Sets the increase multiplier (> 1)."""
-    core.check_factor_types(new_incr_ratio=new_incr_ratio)
-    if new_incr_ratio <= 1.0:
+    if core.check_factor_types(new_incr_ratio=new_incr_ratio)[0] <= 1.0:
       raise AssertionValueError("The new_incr_ratio must be > 1.0.")
     if self._enable:
       self._rule = self._make_rule(growth_factor=new_incr_ratio)
@@ -354,8 +370,7 @@ class GradScaler:
 
   def set_decr_ratio(self, new_decr_ratio: float) -> None:
     """Sets the decrease multiplier (< 1)."""
-    core.check_factor_types(new_decr_ratio=new_decr_ratio)
-    if new_decr_ratio >= 1.0:
+    if core.check_factor_types(new_decr_ratio=new_decr_ratio)[0] >= 1.0:
       raise AssertionValueError("The new_decr_ratio must be < 1.0.")
     if self._enable:
       self._rule = self._make_rule(backoff_factor=new_decr_ratio)
@@ -426,10 +441,10 @@ class GradScaler:
     core.require_nonempty(state_dict, "The input state dict is empty, possibly because it was "
                           "saved from a disabled instance of GradScaler.")
     outside.keys("state_dict", state_dict, _STATE_KEYS)
-    rule = loss_scale.make_rule(growth_factor=state_dict["incr_ratio"],
-                                backoff_factor=state_dict["decr_ratio"],
-                                growth_interval=state_dict["incr_every_n_steps"],
-                                hysteresis=state_dict["decr_every_n_nan_or_inf"])
+    rule = _paddle_rule(growth_factor=state_dict["incr_ratio"],
+                        backoff_factor=state_dict["decr_ratio"],
+                        growth_interval=state_dict["incr_every_n_steps"],
+                        hysteresis=state_dict["decr_every_n_nan_or_inf"], where="state_dict")
     scale = outside.scale("state_dict['scale']", state_dict["scale"], rule.min_scale,
                           rule.max_scale)
     incr_count = outside.counter("state_dict['incr_count']", state_dict["incr_count"])

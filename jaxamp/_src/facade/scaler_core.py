@@ -324,10 +324,10 @@ def as_count(name: str, value: Any) -> int:
   return validation.check_int(name, validation.one_element(value), minimum=0)
 
 
-def check_factor_types(**values: Any) -> None:
-  """Refuses factors that are not finite real numbers (``TypeError``/``ValueError``)."""
-  for name, value in values.items():
-    validation.check_real(name, value, finite=True, arrays=True, kind=_KIND)
+def check_factor_types(**values: Any) -> list[float]:
+  """The factors as floats; refuses those that are not finite real numbers (``TypeError``/``ValueError``)."""
+  return [validation.check_real(name, value, finite=True, arrays=True, kind=_KIND)
+          for name, value in values.items()]
 
 
 def require_nonempty(state_dict: Mapping[str, Any], message: str) -> None:

@@ -185,10 +185,11 @@ class GradScaler:
     self._stall_after = validation.check_count("stall_after", stall_after)
     self._monitor = stall.StallMonitor(on_stall, stall_check_every)
     if self._enabled:
-      core.check_factor_types(growth_factor=growth_factor, backoff_factor=backoff_factor)
-      if growth_factor <= 1.0:
+      growth, backoff = core.check_factor_types(growth_factor=growth_factor,
+                                                backoff_factor=backoff_factor)
+      if growth <= 1.0:
         raise AssertionValueError("The growth factor must be > 1.0.")
-      if backoff_factor >= 1.0:
+      if backoff >= 1.0:
         raise AssertionValueError("The backoff factor must be < 1.0.")
       self._rule = self._make_rule(growth_factor, backoff_factor, growth_interval)
       self._init_scale = validation.check_scale("init_scale", init_scale, self._rule.min_scale,
@@ -373,7 +374,7 @@ class GradScaler:
     call, no host sync.
 
     Args:
-      new_scale: a float or a one-element floating array: the new scale; the
+      new_scale: a float or a one-element array: the new scale; the
         growth tracker is left as it is. It must be finite and within
         ``[min_scale, max_scale]`` (an array is read on the host to check it:
         one sync, on a call that is rare).
@@ -394,10 +395,8 @@ class GradScaler:
     state = self._check_scale_growth_tracker("update")
     if new_scale is not None:
       if core.is_array(new_scale):
-        if np.size(new_scale) != 1 or not jnp.issubdtype(jnp.result_type(new_scale),
-                                                          jnp.floating):
-          raise NewScaleError(_NEW_SCALE_REASON + f" Got an array of dtype "
-                              f"{jnp.result_type(new_scale)} and shape {np.shape(new_scale)}.")
+        if np.size(new_scale) != 1:
+          raise NewScaleError(_NEW_SCALE_REASON)
         value = jnp.asarray(outside.scale("new_scale", new_scale, self._rule.min_scale,
                                           self._rule.max_scale), jnp.float32)
       elif isinstance(new_scale, float):

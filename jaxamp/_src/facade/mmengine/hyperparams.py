@@ -268,6 +268,10 @@ def load_groups(groups: Any, specs: List[GroupSpec], opt_state: Any
     if not isinstance(group, Mapping):
       raise TypeError(f"param_groups[{index}] must be a dict, got {type(group).__name__}")
     names = group.get("params")
+    if names is not None and not (isinstance(names, (list, tuple))
+                                  and all(isinstance(n, str) for n in names)):
+      raise TypeError(f"state_dict['param_groups'][{index}]['params'] must be a list of "
+                      f"parameter names, got {names!r}")
     if spec.names is not None and names is not None and list(names) != list(spec.names):
       raise ValueError("loaded state dict contains a parameter group that doesn't match the "
                        "size of optimizer's group")

@@ -156,6 +156,10 @@ class OptimWrapperDict(OptimWrapper):
     """
     if not isinstance(state_dict, Mapping):
       raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    for name in state_dict:
+      if name not in self.optim_wrappers:
+        raise AssertionKeyError(f"Mismatched `state_dict`! cannot found {name} in "
+                                 "OptimWrapperDict")
     missing = [name for name in self.optim_wrappers if name not in state_dict]
     if missing:
       raise AssertionKeyError(f"Mismatched `state_dict`! it holds no entry for {missing} of this "

@@ -1,0 +1,639 @@
+"""Bad values never corrupt a run: a property-based suite over every public entry point.
+
+Every value that reaches a state from outside (a constructor argument, a
+setter, ``GradScaler.update(new_scale)``, a loaded state dict, a restored
+optimizer state, a ``build_optim_wrapper`` config) is generated from a pool
+of every kind: nan, +-inf, 0, -0, negative, denormal, huge, fractional,
+bools, strings, ``None``, numpy and JAX scalars, arrays of the wrong shape,
+missing and extra keys, and the state dicts of the other facades. Each call
+must end one of two ways:
+
+* **refused**: an exception of a documented type (``TypeError``,
+  ``ValueError``, ``KeyError``, ``RuntimeError`` or ``AssertionError``, the
+  types the originals raise) whose message names the argument or key, with
+  the object's ``state_dict()`` unchanged and its next ordinary iteration
+  working; or
+* **accepted**: a short run on a descent problem (``sum((w - 1)**2)`` from
+  ``w = 0``) ends with finite parameters, a finite positive scale, and a
+  lower loss.
+
+The default profile is sized for CI (a few hundred cases in all, compiled
+objects reused across cases). The long profile multiplies every budget by
+``JAXAMP_BAD_VALUES_LONG`` (e.g. ``JAXAMP_BAD_VALUES_LONG=40 pytest
+tests/test_bad_values.py``). With ``JAXAMP_BAD_VALUES_REPORT=<path>`` the
+number of cases each entry point ran, refused and accepted is written there
+as JSON.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import math
+import os
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import jaxamp
+
+_LONG = int(os.environ.get("JAXAMP_BAD_VALUES_LONG", "1"))
+_COUNTS: dict = collections.defaultdict(collections.Counter)
+_DOCUMENTED = (TypeError, ValueError, KeyError, RuntimeError, AssertionError)
+
+
+def _settings(n: int):
+  return settings(max_examples=n * _LONG, derandomize=True, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+  yield
+  path = os.environ.get("JAXAMP_BAD_VALUES_REPORT")
+  if path:
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump({k: dict(v) for k, v in sorted(_COUNTS.items())}, f, indent=1)
+
+
+# -------------------------------------------------------------------------------------------------
+# Values of every kind.
+# -------------------------------------------------------------------------------------------------
+
+_SPECIAL = [
+    math.nan, math.inf, -math.inf, 0.0, -0.0, -1.0, -4.0, 5e-324, 1e-40, 1e-45, 1e39, 1e308,
+    2.5, 0.5, 1.0, 2.0, 8.0, 2**40, -3, 0, 1, 3, 2**31, True, False, None, "1", "False", "nan",
+    [], [8.0, math.nan], [8.0], (2.0,), {}, {"a": 1},
+    np.float32(8.0), np.float64(math.nan), np.float16(65504), np.int64(2**40), np.int32(-1),
+    np.bool_(True), np.array(8.0), np.array([8.0]), np.ones(2), np.ones((2, 2)), np.array([]),
+]
+
+
+def _jax_values():
+  return st.sampled_from(["nan", "zero", "neg", "big", "ok", "vec", "int"]).map({
+      "nan": lambda: jnp.float32(math.nan), "zero": lambda: jnp.array(0.0),
+      "neg": lambda: jnp.float32(-2.0), "big": lambda: jnp.array(1e30),
+      "ok": lambda: jnp.float32(16.0), "vec": lambda: jnp.ones(3),
+      "int": lambda: jnp.int32(4)}.__getitem__).map(lambda f: f())
+
+
+values = st.one_of(
+    st.sampled_from(_SPECIAL),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(min_value=1e-3, max_value=1e4),
+    st.integers(min_value=-(2**64), max_value=2**64),
+    st.integers(min_value=0, max_value=3000),
+    _jax_values(),
+)
+
+
+# -------------------------------------------------------------------------------------------------
+# The descent problem and the assertion.
+# -------------------------------------------------------------------------------------------------
+
+W0 = {"w": jnp.zeros(2)}
+
+
+def loss_fn(params, target):
+  return jnp.sum((params["w"] - target) ** 2)
+
+
+TARGET = jnp.ones(2)
+
+
+def _loss(params) -> float:
+  return float(loss_fn(params, TARGET))
+
+
+def _mentions(err: BaseException, names: tuple) -> bool:
+  text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+  # PyTorch's and Paddle's own messages spell some names out ("The growth factor must be > 1.0.").
+  return any(name in text or name.replace("_", " ") in text for name in names)
+
+
+def _same(a: Any, b: Any) -> bool:
+  """Equality of state dicts holding Python values and arrays (nan equal to nan)."""
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  if ta != tb or len(la) != len(lb):
+    return False
+  for x, y in zip(la, lb):
+    if isinstance(x, str) or isinstance(y, str):
+      if x != y:
+        return False
+      continue
+    x, y = np.asarray(x), np.asarray(y)
+    if x.shape != y.shape or x.dtype != y.dtype:
+      return False
+    if not np.array_equal(x, y, equal_nan=np.issubdtype(x.dtype, np.inexact)):
+      return False
+  return True
+
+
+def sane(value: Any, low: float, high: float) -> bool:
+  """Whether ``value`` is a real number in ``[low, high)``: one a run must descend with.
+
+  An accepted learning rate of 100 or a momentum of 5 diverges on any
+  problem: such values are the user's to choose, and only finiteness is
+  asserted for them.
+  """
+  try:
+    number = float(np.asarray(value).reshape(()))
+  except (TypeError, ValueError):
+    return False
+  return not isinstance(value, (bool, str)) and low <= number < high
+
+
+def check(entry: str, call: Callable[[], Any], names: tuple, *,
+          snapshot: Callable[[], Any] = lambda: None,
+          run: Callable[[Any], tuple[Any, float]], descent: bool = True) -> None:
+  """Runs ``call``; asserts either a clean refusal or an uncorrupted, descending run.
+
+  ``run(result)`` takes what ``call`` returned (``None`` when it was
+  refused), trains a few steps on the descent problem and returns
+  ``(params, scale)``. ``descent=False`` asserts only a finite, positive
+  scale after an accepted call: for a legal value the run cannot descend
+  with (a learning rate of 0, or of 1e38, which overflows the parameters as
+  it would in PyTorch).
+  """
+  before = snapshot()
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    try:
+      result = call()
+    except _DOCUMENTED as err:
+      _COUNTS[entry]["refused"] += 1
+      assert _mentions(err, names), f"{entry}: {type(err).__name__}({err}) names none of {names}"
+      assert _same(snapshot(), before), f"{entry}: refused, but the state changed"
+      result = None
+      refused = True
+    else:
+      _COUNTS[entry]["accepted"] += 1
+      refused = False
+    params, scale = run(result)
+  _COUNTS[entry]["cases"] += 1
+  assert math.isfinite(scale) and scale > 0, f"{entry}: scale {scale}"
+  if refused or descent:
+    leaves = jax.tree.leaves(params)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in leaves), f"{entry}: non-finite params"
+    assert _loss(params) < _loss(W0), f"{entry}: no descent ({_loss(params)})"
+
+
+# -------------------------------------------------------------------------------------------------
+# The functional core.
+# -------------------------------------------------------------------------------------------------
+
+_FACTORY_ARGS = {
+    "dynamic_loss_scale": ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                           "hysteresis", "min_scale", "max_scale", "stall_after"),
+    "static_loss_scale": ("scale", "stall_after"),
+    "clip_grad_norm": ("max_norm",),
+    "clip_grad_value": ("clip_value",),
+    "accumulate_gradients": ("every_k", "total_steps"),
+}
+
+
+def _build_tx(factory: str, kwargs: dict):
+  sgd = optax.sgd(0.1)
+  if factory == "dynamic_loss_scale":
+    return jaxamp.dynamic_loss_scale(sgd, **kwargs)
+  if factory == "static_loss_scale":
+    return jaxamp.static_loss_scale(sgd, kwargs.pop("scale", 8.0), **kwargs)
+  if factory == "clip_grad_norm":
+    kwargs.setdefault("max_norm", 1.0)
+    return jaxamp.dynamic_loss_scale(optax.chain(jaxamp.clip_grad_norm(**kwargs), sgd),
+                                     init_scale=8.0)
+  if factory == "clip_grad_value":
+    kwargs.setdefault("clip_value", 1.0)
+    return jaxamp.dynamic_loss_scale(optax.chain(jaxamp.clip_grad_value(**kwargs), sgd),
+                                     init_scale=8.0)
+  kwargs.setdefault("every_k", 1)
+  return jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(sgd, init_scale=8.0),
+                                     raise_past_end=False, **kwargs)
+
+
+def _run_tx(tx, state=None, steps: int = 2) -> tuple[Any, float]:
+  params = W0
+  state = tx.init(params) if state is None else state
+  for _ in range(steps):
+    scale = jaxamp.get_loss_scale(state)
+    grads = jax.grad(lambda p: loss_fn(p, TARGET) * scale)(params)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, float(jaxamp.get_loss_scale(state))
+
+
+@_settings(20)
+@given(factory=st.sampled_from(sorted(_FACTORY_ARGS)), data=st.data())
+def test_functional_factories(factory, data):
+  name = data.draw(st.sampled_from(_FACTORY_ARGS[factory]))
+  value = data.draw(values)
+  kwargs = {name: value}
+
+  def run(tx):
+    return _run_tx(tx if tx is not None else _build_tx(factory, {}))
+
+  # A window longer than the run, or a bound that clips everything away, cannot descend.
+  descent = (not (name == "every_k" and not sane(value, 0, 5))
+             and not (name in ("max_norm", "clip_value") and not sane(value, 1e-3, math.inf)))
+  check(f"{factory}({name}=)", lambda: _build_tx(factory, dict(kwargs)), (name,), run=run,
+        descent=descent)
+
+
+_TEMPLATE_TX = jaxamp.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9), init_scale=8.0)
+_TEMPLATE = _TEMPLATE_TX.init(W0)
+_RESTORED = {
+    "scale": 8.0, "growth_tracker": 5, "overflow_count": 0, "skipped": False,
+    "skipped_steps": 3, "skip_streak": 0, "stalled": False,
+    "nonfinite_leaves": np.zeros(1, bool),
+    "inner_state": [{"trace": {"w": np.zeros(2, np.float32)}}, {}]}
+_OTHER_DICTS = [
+    jaxamp.GradScaler(init_scale=8.0).state_dict(), jaxamp.paddle.GradScaler().state_dict(),
+    None, [1, 2], {}, "state",
+]
+
+
+@_settings(25)
+@given(key=st.sampled_from(sorted(_RESTORED) + ["trace", "extra", "missing", "other"]),
+       value=values, data=st.data())
+def test_upgrade_opt_state(key, value, data):
+  restored = copy.deepcopy(_RESTORED)
+  names: tuple = (key,)
+  if key == "trace":
+    restored["inner_state"][0]["trace"]["w"] = value
+    names = ("trace",)
+  elif key == "extra":
+    restored["unexpected"] = value
+    names = ("unexpected",)
+  elif key == "missing":
+    del restored[data.draw(st.sampled_from(sorted(_RESTORED)))]
+  elif key == "other":
+    restored = data.draw(st.sampled_from(_OTHER_DICTS))
+    names = ("state", "LossScaleState", "field", "key")
+  else:
+    restored[key] = value
+  template_before = jax.tree.map(np.asarray, _TEMPLATE)
+
+  def run(state):
+    assert _same(jax.tree.map(np.asarray, _TEMPLATE), template_before)
+    return _run_tx(_TEMPLATE_TX, state if state is not None else _TEMPLATE)
+
+  check("upgrade_opt_state", lambda: jaxamp.upgrade_opt_state(restored, _TEMPLATE),
+        names + ("state",), run=run)
+
+
+@_settings(10)
+@given(value=values)
+def test_set_loss_scale(value):
+  check("set_loss_scale", lambda: jaxamp.set_loss_scale(_TEMPLATE, value), ("scale",),
+        run=lambda s: _run_tx(_TEMPLATE_TX, s if s is not None else _TEMPLATE))
+
+
+# -------------------------------------------------------------------------------------------------
+# PyTorch's GradScaler.
+# -------------------------------------------------------------------------------------------------
+
+_HOLDER = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
+
+
+def _torch_iterations(scaler, steps: int = 2) -> tuple[Any, float]:
+  _HOLDER.params = W0
+  _HOLDER.zero_grad()
+  for _ in range(steps):
+    _HOLDER.backward(scaler.scale(loss_fn), TARGET)
+    scaler.step(_HOLDER)
+    scaler.update()
+    _HOLDER.zero_grad()
+  return _HOLDER.params, float(scaler.get_scale())
+
+
+_TORCH_ARGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled",
+               "stall_after", "stall_check_every", "device")
+
+
+@_settings(15)
+@given(name=st.sampled_from(_TORCH_ARGS), value=values)
+def test_torch_constructor(name, value):
+  def run(scaler):
+    return _torch_iterations(scaler if scaler is not None else jaxamp.GradScaler(init_scale=8.0))
+
+  check("GradScaler()", lambda: jaxamp.GradScaler(**{name: value}), (name,), run=run)
+
+
+def _torch_scaler():
+  scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=3)
+  _torch_iterations(scaler, 1)
+  return scaler
+
+
+@_settings(15)
+@given(setter=st.sampled_from(["set_growth_factor", "set_backoff_factor", "set_growth_interval",
+                               "update"]), value=values)
+def test_torch_setters_and_update(setter, value):
+  scaler = _torch_scaler()
+  if setter == "update":
+    # update(new_scale) ends an iteration: give it one to end.
+    _HOLDER.backward(scaler.scale(loss_fn), TARGET)
+    scaler.step(_HOLDER)
+    _HOLDER.zero_grad()
+    names: tuple = ("new_scale",)
+  else:
+    names = ("factor", "interval", "growth", "backoff")
+  def run(result):
+    if setter == "update" and result is None and not (value is None):
+      scaler.update()  # the refused update(new_scale) left the iteration open, as it was
+    return _torch_iterations(scaler)
+
+  check(f"GradScaler.{setter}", lambda: getattr(scaler, setter)(value) or "done", names,
+        snapshot=scaler.state_dict, run=run)
+
+
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _mutated(base: dict, data, keys, entry_names=None) -> tuple[Any, tuple]:
+  """``base`` with one key set to a generated value, deleted or added, or another dict."""
+  kind = data.draw(st.sampled_from(["set", "set", "set", "missing", "extra", "other"]))
+  out = dict(base)
+  if kind == "set":
+    key = data.draw(st.sampled_from(keys))
+    out[key] = data.draw(values)
+    return out, (key,)
+  if kind == "missing":
+    key = data.draw(st.sampled_from(keys))
+    del out[key]
+    return out, (key,)
+  if kind == "extra":
+    out["unexpected_key"] = data.draw(values)
+    return out, ("unexpected_key",)
+  other = data.draw(st.sampled_from(_OTHER_DICTS))
+  return other, ("state_dict", "empty", "keys") + tuple(entry_names or ())
+
+
+@_settings(25)
+@given(data=st.data())
+def test_torch_load_state_dict(data):
+  scaler = _torch_scaler()
+  sd, names = _mutated(scaler.state_dict(), data, _TORCH_KEYS)
+  check("GradScaler.load_state_dict", lambda: scaler.load_state_dict(sd), names,
+        snapshot=scaler.state_dict, run=lambda _: _torch_iterations(scaler))
+
+
+@_settings(8)
+@given(value=values)
+def test_torch_clip_grad_norm_(value):
+  def call():
+    _HOLDER.params = W0
+    _HOLDER.grads = jax.grad(loss_fn)(W0, TARGET)
+    return jaxamp.clip_grad_norm_(_HOLDER, value)
+
+  def run(_):
+    _HOLDER.zero_grad()
+    return _torch_iterations(jaxamp.GradScaler(init_scale=8.0))
+
+  check("clip_grad_norm_", call, ("max_norm",), run=run)
+
+
+def test_step_without_gradients_leaves_the_optimizer_usable():
+  scaler = jaxamp.GradScaler(init_scale=8.0)
+  _HOLDER.zero_grad()
+  scaler.scale(loss_fn)
+  with pytest.raises(AssertionError, match="No inf checks"):
+    scaler.step(_HOLDER)
+  params, scale = _torch_iterations(scaler, 2)  # PyTorch raises here, on every later iteration
+  assert _loss(params) < _loss(W0) and scale == 8.0
+
+
+# -------------------------------------------------------------------------------------------------
+# Paddle's GradScaler.
+# -------------------------------------------------------------------------------------------------
+
+
+def _paddle_iterations(scaler, steps: int = 2) -> tuple[Any, float]:
+  _HOLDER.params = W0
+  _HOLDER.zero_grad()
+  for _ in range(steps):
+    _HOLDER.backward(scaler.scale(loss_fn), TARGET)
+    scaler.minimize(_HOLDER)
+    _HOLDER.zero_grad()
+  return _HOLDER.params, float(np.asarray(scaler.state.scale))
+
+
+_PADDLE_ARGS = ("enable", "init_loss_scaling", "incr_ratio", "decr_ratio", "incr_every_n_steps",
+                "decr_every_n_nan_or_inf", "use_dynamic_loss_scaling", "stall_after")
+
+
+@_settings(15)
+@given(name=st.sampled_from(_PADDLE_ARGS), value=values)
+def test_paddle_constructor(name, value):
+  def run(scaler):
+    return _paddle_iterations(scaler if scaler is not None else jaxamp.paddle.GradScaler())
+
+  check("paddle.GradScaler()", lambda: jaxamp.paddle.GradScaler(**{name: value}), (name,),
+        run=run)
+
+
+@_settings(15)
+@given(setter=st.sampled_from(["set_init_loss_scaling", "set_incr_ratio", "set_decr_ratio",
+                               "set_incr_every_n_steps", "set_decr_every_n_nan_or_inf"]),
+       value=values)
+def test_paddle_setters(setter, value):
+  scaler = jaxamp.paddle.GradScaler(init_loss_scaling=8.0, incr_every_n_steps=3)
+  _paddle_iterations(scaler, 1)
+  check(f"paddle.GradScaler.{setter}", lambda: getattr(scaler, setter)(value),
+        (setter[len("set_"):], "new_" + setter[len("set_"):]),
+        snapshot=scaler.state_dict, run=lambda _: _paddle_iterations(scaler))
+
+
+_PADDLE_KEYS = ("scale", "incr_ratio", "decr_ratio", "incr_every_n_steps",
+                "decr_every_n_nan_or_inf", "incr_count", "decr_count", "use_dynamic_loss_scaling")
+
+
+@_settings(25)
+@given(data=st.data())
+def test_paddle_load_state_dict(data):
+  scaler = jaxamp.paddle.GradScaler(init_loss_scaling=8.0, incr_every_n_steps=3)
+  _paddle_iterations(scaler, 1)
+  sd, names = _mutated(scaler.state_dict(), data, _PADDLE_KEYS)
+  check("paddle.GradScaler.load_state_dict", lambda: scaler.load_state_dict(sd), names,
+        snapshot=scaler.state_dict, run=lambda _: _paddle_iterations(scaler))
+
+
+# -------------------------------------------------------------------------------------------------
+# mmengine's wrappers.
+# -------------------------------------------------------------------------------------------------
+
+_AMP = jaxamp.build_optim_wrapper(W0, dict(
+    type="AmpOptimWrapper", optimizer=dict(type="SGD", lr=0.1, momentum=0.5),
+    loss_scale=dict(init_scale=8.0, growth_interval=3), clip_grad=dict(max_norm=10.0)))
+_AMP_GOOD = _AMP.state_dict()
+
+
+def _wrapper_iterations(wrapper, steps: int = 2) -> tuple[Any, float]:
+  wrapper.params = W0
+  wrapper.zero_grad()
+  for _ in range(steps):
+    wrapper.update_params(loss_fn, TARGET)
+  scale = wrapper.get_scale() if isinstance(wrapper, jaxamp.AmpOptimWrapper) else 1.0
+  return wrapper.params, scale
+
+
+def _restore_amp():
+  _AMP.load_state_dict(_AMP_GOOD)
+
+
+def _amp_snapshot():
+  return _AMP.state_dict()
+
+
+@_settings(25)
+@given(data=st.data())
+def test_amp_optim_wrapper_load_state_dict(data):
+  _restore_amp()
+  good = _AMP.state_dict()
+  where = data.draw(st.sampled_from(["loss_scaler", "param_groups", "state", "top"]))
+  sd = dict(good)
+  descent = True
+  if where == "loss_scaler":
+    sd["loss_scaler"], names = _mutated(good["loss_scaler"], data, _TORCH_KEYS, ("loss_scaler",))
+    names = names + ("loss_scaler",)
+  elif where == "param_groups":
+    group = dict(good["param_groups"][0])
+    key = data.draw(st.sampled_from(["lr", "momentum", "dampening", "weight_decay", "nesterov",
+                                     "params"]))
+    group[key] = value = data.draw(values)
+    sd["param_groups"] = [group]
+    names = (key, "param_groups", "parameter group")
+    descent = key in ("nesterov", "params") or sane(value, *_SANE[key])
+  elif where == "state":
+    leaves, treedef = jax.tree.flatten(good["state"])
+    index = data.draw(st.integers(0, len(leaves) - 1))
+    leaves[index] = data.draw(values)
+    sd["state"] = jax.tree.unflatten(treedef, leaves)
+    names = ("state",)
+  else:
+    sd, names = _mutated(good, data, ("state", "param_groups", "loss_scaler"))
+  try:
+    check("AmpOptimWrapper.load_state_dict", lambda: _AMP.load_state_dict(sd), names,
+          snapshot=_amp_snapshot, run=lambda _: _wrapper_iterations(_AMP), descent=descent)
+  finally:
+    _restore_amp()
+
+
+@_settings(10)
+@given(key=st.sampled_from(["lr", "momentum", "weight_decay", "dampening"]), value=values)
+def test_param_group_setters(key, value):
+  _restore_amp()
+
+  def call():
+    _AMP.param_groups[0][key] = value
+
+  try:
+    check("param_groups[0][key] = value", call, (key,), snapshot=_amp_snapshot,
+          run=lambda _: _wrapper_iterations(_AMP), descent=sane(value, *_SANE[key]))
+  finally:
+    _restore_amp()
+
+
+# Where a hyperparameter lets this problem descend in three steps.
+_SANE = {"lr": (1e-3, 0.9), "momentum": (0.0, 0.9), "weight_decay": (0.0, 1.0),
+         "dampening": (0.0, 1.0), "lr_mult": (1e-2, 5.0), "bias_lr_mult": (0.0, math.inf)}
+
+_GEN = jaxamp.OptimWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), W0)
+_DISC = jaxamp.OptimWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                            {"w": jnp.zeros(3)})
+_DICT = jaxamp.OptimWrapperDict(gen=_GEN, disc=_DISC)
+_DICT_GOOD = _DICT.state_dict()
+
+
+@_settings(15)
+@given(data=st.data())
+def test_optim_wrapper_dict_load_state_dict(data):
+  _DICT.load_state_dict(_DICT_GOOD)
+  kind = data.draw(st.sampled_from(["missing", "extra", "member", "lr", "other"]))
+  sd = dict(_DICT_GOOD)
+  descent = True
+  if kind == "missing":
+    del sd[data.draw(st.sampled_from(["gen", "disc"]))]
+    names: tuple = ("gen", "disc")
+  elif kind == "extra":
+    sd["critic"] = _DICT_GOOD["gen"]
+    names = ("critic",)
+  elif kind == "member":
+    sd["disc"] = data.draw(st.sampled_from(_OTHER_DICTS + [_DICT_GOOD["gen"]]))
+    names = ("state_dict", "state", "keys")
+  elif kind == "lr":
+    sd["gen"] = {"state": _DICT_GOOD["gen"]["state"],
+                 "param_groups": [dict(_DICT_GOOD["gen"]["param_groups"][0],
+                                       lr=data.draw(values))]}
+    names = ("lr",)
+    descent = sane(sd["gen"]["param_groups"][0]["lr"], *_SANE["lr"])
+  else:
+    sd = data.draw(st.sampled_from(_OTHER_DICTS))
+    names = ("state_dict", "gen", "disc", "OptimWrapperDict")
+  try:
+    check("OptimWrapperDict.load_state_dict", lambda: _DICT.load_state_dict(sd), names,
+          snapshot=_DICT.state_dict, run=lambda _: _wrapper_iterations(_GEN), descent=descent)
+  finally:
+    _DICT.load_state_dict(_DICT_GOOD)
+
+
+_CONFIG_KEYS = {
+    "optimizer.lr": ("lr",), "optimizer.momentum": ("momentum",),
+    "optimizer.weight_decay": ("weight_decay",), "clip_grad.max_norm": ("max_norm",),
+    "clip_grad.clip_value": ("clip_value",), "loss_scale": ("loss_scale", "GradScaler"),
+    "loss_scale.init_scale": ("init_scale",), "loss_scale.growth_interval": ("growth_interval",),
+    "accumulative_counts": ("accumulative_counts",), "custom_keys.lr_mult": ("lr_mult",),
+    "bias_lr_mult": ("bias_lr_mult",),
+}
+
+
+def _config(key: str, value: Any) -> dict:
+  cfg: dict = dict(type="AmpOptimWrapper", optimizer=dict(type="SGD", lr=0.1),
+                   loss_scale=dict(init_scale=8.0))
+  head, _, tail = key.partition(".")
+  if head == "optimizer":
+    cfg["optimizer"][tail] = value
+  elif head == "clip_grad":
+    cfg["clip_grad"] = (dict(max_norm=value) if tail == "max_norm"
+                        else dict(type="value", clip_value=value))
+  elif key == "loss_scale":
+    cfg["loss_scale"] = value
+  elif head == "loss_scale":
+    cfg["loss_scale"][tail] = value
+  elif key == "custom_keys.lr_mult":
+    cfg["paramwise_cfg"] = dict(custom_keys={"w": dict(lr_mult=value)})
+  elif key == "bias_lr_mult":
+    cfg["paramwise_cfg"] = dict(bias_lr_mult=value)
+  else:
+    cfg[key] = value
+  return cfg
+
+
+@_settings(15)
+@given(key=st.sampled_from(sorted(_CONFIG_KEYS)), value=values)
+def test_build_optim_wrapper_configs(key, value):
+  cfg = _config(key, value)
+  if key == "accumulative_counts" and isinstance(value, int) and value > 4:
+    value = cfg[key] = 1 + value % 4  # a long window would cost its length in steps
+  descent = {"optimizer.lr": sane(value, *_SANE["lr"]),
+             "optimizer.momentum": sane(value, *_SANE["momentum"]),
+             "optimizer.weight_decay": sane(value, *_SANE["weight_decay"]),
+             "custom_keys.lr_mult": sane(value, *_SANE["lr_mult"]),
+             "clip_grad.max_norm": sane(value, 1e-3, math.inf),
+             "clip_grad.clip_value": sane(value, 1e-3, math.inf)}.get(key, True)
+
+  def run(wrapper):
+    if wrapper is None:
+      return _wrapper_iterations(_AMP)
+    return _wrapper_iterations(wrapper, 2 * wrapper._counter.accumulative_counts)  # noqa: SLF001
+
+  check("build_optim_wrapper", lambda: jaxamp.build_optim_wrapper(W0, cfg), _CONFIG_KEYS[key],
+        run=run, descent=descent)
