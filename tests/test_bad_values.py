@@ -22,7 +22,8 @@ objects reused across cases). The long profile multiplies every budget by
 ``JAXAMP_BAD_VALUES_LONG`` (e.g. ``JAXAMP_BAD_VALUES_LONG=40 pytest
 tests/test_bad_values.py``). With ``JAXAMP_BAD_VALUES_REPORT=<path>`` the
 number of cases each entry point ran, refused and accepted is written there
-as JSON.
+as JSON; with ``JAXAMP_BAD_VALUES_COLLECT=<path>`` failures are recorded
+there instead of raised (to survey a whole code base at once).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def _report():
   if path:
     with open(path, "w", encoding="utf-8") as f:
       json.dump({k: dict(v) for k, v in sorted(_COUNTS.items())}, f, indent=1)
+  if _COLLECT:
+    with open(_COLLECT, "w", encoding="utf-8") as f:
+      json.dump(_FAILURES, f, indent=1)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -151,7 +155,24 @@ def sane(value: Any, low: float, high: float) -> bool:
   return not isinstance(value, (bool, str)) and low <= number < high
 
 
+_COLLECT = os.environ.get("JAXAMP_BAD_VALUES_COLLECT")
+_FAILURES: list = []
+
+
 def check(entry: str, call: Callable[[], Any], names: tuple, *,
+          snapshot: Callable[[], Any] = lambda: None,
+          run: Callable[[Any], tuple[Any, float]], descent: bool = True) -> None:
+  """:func:`_check`; with ``JAXAMP_BAD_VALUES_COLLECT=<path>``, failures are recorded, not raised."""
+  if not _COLLECT:
+    _check(entry, call, names, snapshot=snapshot, run=run, descent=descent)
+    return
+  try:
+    _check(entry, call, names, snapshot=snapshot, run=run, descent=descent)
+  except Exception as err:  # noqa: BLE001 (the collecting mode records every failure)
+    _FAILURES.append({"entry": entry, "error": f"{type(err).__name__}: {err}"[:300]})
+
+
+def _check(entry: str, call: Callable[[], Any], names: tuple, *,
           snapshot: Callable[[], Any] = lambda: None,
           run: Callable[[Any], tuple[Any, float]], descent: bool = True) -> None:
   """Runs ``call``; asserts either a clean refusal or an uncorrupted, descending run.
@@ -347,7 +368,7 @@ def test_torch_setters_and_update(setter, value):
   else:
     names = ("factor", "interval", "growth", "backoff")
   def run(result):
-    if setter == "update" and result is None and not (value is None):
+    if setter == "update" and result is None and value is not None:
       scaler.update()  # the refused update(new_scale) left the iteration open, as it was
     return _torch_iterations(scaler)
 

@@ -24,7 +24,6 @@ that a refused call leaves its object as it was.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence
 
@@ -248,8 +247,8 @@ def fits(name: str, value: Any, dtype: Any) -> np.ndarray:
   return raw.astype(dtype)
 
 
-_UNBOUNDED_FLOATS = ("total_norm",)
-_INJECT_TYPES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)  # a recorded norm may be inf or nan (a skipped step's)
+_UNBOUNDED_FLOATS = ("total_norm",)  # a recorded norm may be inf or nan (a skipped step's)
+_INJECT_TYPES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 
 def _is_named(node: Any) -> bool:
@@ -373,6 +372,8 @@ def validate_opt_state(opt_state: optax.OptState, template: Optional[optax.OptSt
     ValueError: state.scale must be a positive, finite number, got -4.0
   """
   if template is not None:
+    treedef: Any
+    ref_def: Any
     leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
     ref_leaves, ref_def = jax.tree_util.tree_flatten_with_path(template)
     if treedef != ref_def:

@@ -420,7 +420,7 @@ def _check_params_like_state(inner_state: Any, params: Any) -> None:
   paths would name the wrong leaves. (A state holding no such tree, as plain
   SGD's, cannot tell; the leaf count is checked always.)
   """
-  treedef = jax.tree.structure(params)
+  treedef: Any = jax.tree.structure(params)
   shapes = [jnp.shape(x) for x in jax.tree.leaves(params)]
   if not shapes:
     return
@@ -539,7 +539,7 @@ def upgrade_opt_state(restored: Any, template: optax.OptState) -> optax.OptState
 
   def build(raw: Any, node: Any, where: str) -> Any:
     if isinstance(raw, tuple) and hasattr(raw, "_fields"):
-      raw = raw._asdict()
+      raw = dict(zip(raw._fields, raw))
     if isinstance(node, tuple) and hasattr(node, "_fields"):
       if not node._fields:  # optax.EmptyState() and the like
         if raw is not None and jax.tree.leaves(raw):
