@@ -664,3 +664,136 @@ def test_build_optim_wrapper_configs(key, value):
 
   check("build_optim_wrapper", lambda: jaxamp.build_optim_wrapper(W0, cfg), _CONFIG_KEYS[key],
         run=run, descent=descent)
+
+
+# -------------------------------------------------------------------------------------------------
+# The cases that were found by hand, each stated once.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("scale", -4.0, "state.scale must be a positive, finite number"),
+    ("scale", 0.0, "state.scale must be a positive, finite number"),
+    ("scale", math.nan, "state.scale must be finite"),
+    ("scale", 1e39, "state.scale overflows dtype float32"),
+    ("growth_tracker", -3, "state.growth_tracker must be an int >= 0"),
+    ("skipped_steps", 2.5, "state.skipped_steps must hold whole numbers"),
+    ("inner_state", [{}, {}, {}], "state.inner_state: expected 2 entries, got 3"),
+    ("extra", 1, "unexpected fields ['extra']"),
+])
+def test_upgrade_opt_state_refuses_what_init_would(key, value, message):
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0))
+  template = tx.init({"w": jnp.zeros(1)})
+  old = {"scale": 4.0, "growth_tracker": 0, "overflow_count": 0, "skipped": False,
+         "skipped_steps": 0, "inner_state": [{}, {}], key: value}
+  with pytest.raises(ValueError) as info:
+    jaxamp.upgrade_opt_state(old, template)
+  assert message in str(info.value)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: jaxamp.clip_grad_norm(math.nan), lambda: jaxamp.clip_grad_norm(-1.0),
+    lambda: jaxamp.clip_grad_value(-1.0), lambda: jaxamp.clip_grad_value(math.nan),
+    lambda: jaxamp.OptimWrapper(optax.sgd(0.1), W0, clip_grad=dict(max_norm=math.nan)),
+    lambda: jaxamp.OptimWrapper(optax.sgd(0.1), W0, clip_grad=dict(type="value",
+                                                                    clip_value=-1.0)),
+])
+def test_clip_bounds_are_checked_at_construction(build):
+  with pytest.raises(ValueError, match=r"(max_norm|clip_value).* must be a number >= 0"):
+    build()
+
+
+def test_a_loaded_learning_rate_is_checked():
+  _restore_amp()
+  for lr, message in ((math.nan, "must be a finite number"), (-1.0, ">= 0")):
+    sd = _AMP.state_dict()
+    sd["param_groups"] = [dict(sd["param_groups"][0], lr=lr)]
+    with pytest.raises(ValueError, match=r"param_groups'\]\[0\]\['lr'\].*" + message):
+      _AMP.load_state_dict(sd)
+    assert _same(_AMP.state_dict(), _AMP_GOOD)
+
+
+def test_a_counter_beyond_int32_is_refused_before_anything_changes():
+  scaler = _torch_scaler()
+  before = scaler.state_dict()
+  with pytest.raises(ValueError, match=r"_growth_tracker'\] must be an int <= 2147483647"):
+    scaler.load_state_dict({**before, "growth_interval": 2000, "_growth_tracker": 2**40})
+  assert scaler.state_dict() == before
+  paddle = jaxamp.paddle.GradScaler(incr_every_n_steps=3)
+  before = paddle.state_dict()
+  with pytest.raises(ValueError, match=r"incr_count'\] must be an int <= 2147483647"):
+    paddle.load_state_dict({**before, "incr_every_n_steps": 2000, "incr_count": 2**40})
+  assert _same(paddle.state_dict(), before)
+  _restore_amp()
+  sd = _AMP.state_dict()
+  sd["loss_scaler"] = dict(sd["loss_scaler"], growth_interval=7, _growth_tracker=2**40)
+  with pytest.raises(ValueError, match="_growth_tracker"):
+    _AMP.load_state_dict(sd)
+  assert _same(_AMP.state_dict(), _AMP_GOOD)
+
+
+@pytest.mark.parametrize("new_scale", [1e-40, jnp.float32(math.nan), jnp.array(0.0)])
+def test_update_new_scale_is_checked(new_scale):
+  scaler = _torch_scaler()
+  _HOLDER.backward(scaler.scale(loss_fn), TARGET)
+  scaler.step(_HOLDER)
+  before = scaler.state_dict()
+  with pytest.raises(ValueError, match="new_scale"):
+    scaler.update(new_scale)
+  assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("key,value", [
+    ("use_dynamic_loss_scaling", "False"), ("use_dynamic_loss_scaling", None),
+    ("scale", [8.0, math.nan]), ("scale", []),
+])
+def test_paddle_load_refuses_what_paddle_misreads(key, value):
+  scaler = jaxamp.paddle.GradScaler()
+  before = scaler.state_dict()
+  with pytest.raises((TypeError, ValueError), match=key):
+    scaler.load_state_dict({**before, key: value})
+  assert _same(scaler.state_dict(), before)
+
+
+@pytest.mark.parametrize("load", [
+    lambda: jaxamp.GradScaler().load_state_dict(None),
+    lambda: jaxamp.GradScaler().load_state_dict([1, 2]),
+    lambda: jaxamp.paddle.GradScaler().load_state_dict(None),
+])
+def test_a_state_dict_that_is_no_dict_is_named(load):
+  with pytest.raises(TypeError, match="state_dict must be a dict"):
+    load()
+
+
+def test_skip_report_refuses_params_of_another_structure():
+  params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9))  # its trace is shaped like params
+  _, state = tx.update({"a": jnp.array([1.0, jnp.nan]), "b": jnp.ones(3)}, tx.init(params),
+                       params)
+  assert jaxamp.skip_report(state, params) == ["['a']"]
+  with pytest.raises(ValueError, match="another tree structure"):
+    jaxamp.skip_report(state, {"x": jnp.ones(2), "y": jnp.ones(3)})
+
+
+def test_optim_wrapper_dict_refuses_a_missing_member():
+  sd = dict(_DICT_GOOD)
+  del sd["disc"]
+  with pytest.raises(KeyError, match="disc"):
+    _DICT.load_state_dict(sd)
+
+
+def test_validate_opt_state_checks_a_restored_state():
+  tx = jaxamp.dynamic_loss_scale(
+      optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9))
+  state = tx.init(W0)
+  assert jaxamp.validate_opt_state(state, state) is state
+  inner = state.inner_state
+  bad_lr = state._replace(inner_state=inner._replace(
+      hyperparams=dict(inner.hyperparams, learning_rate=jnp.float32(-0.1))))
+  with pytest.raises(ValueError, match="learning_rate"):
+    jaxamp.validate_opt_state(bad_lr)
+  nan_mu = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan) if x.shape == (2,) else x, state)
+  with pytest.raises(ValueError, match="inf or nan"):
+    jaxamp.validate_opt_state(nan_mu)
+  with pytest.raises(ValueError, match="structure"):
+    jaxamp.validate_opt_state(state, tx.init({"v": jnp.zeros(2)}))
