@@ -613,7 +613,7 @@ def test_optim_wrapper_dict_load_state_dict(data):
 
 
 _CONFIG_KEYS = {
-    "optimizer.lr": ("lr",), "optimizer.momentum": ("momentum",),
+    "optimizer.lr": ("lr", "learning rate"), "optimizer.momentum": ("momentum",),
     "optimizer.weight_decay": ("weight_decay",), "clip_grad.max_norm": ("max_norm",),
     "clip_grad.clip_value": ("clip_value",), "loss_scale": ("loss_scale", "GradScaler"),
     "loss_scale.init_scale": ("init_scale",), "loss_scale.growth_interval": ("growth_interval",),

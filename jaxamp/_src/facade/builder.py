@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxamp._src import outside
@@ -118,6 +119,9 @@ def _check_paramwise(paramwise: Any, base_wd: Optional[float], hp_keys: Sequence
 
 
 def _hashable(value: Any) -> Any:
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    array = np.asarray(value)
+    return ("array", str(array.dtype), array.shape, array.tobytes())
   if isinstance(value, (list, tuple)):
     return tuple(_hashable(v) for v in value)
   if isinstance(value, Mapping):
