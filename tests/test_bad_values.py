@@ -246,18 +246,37 @@ def _build_tx(factory: str, kwargs: dict):
                                      raise_past_end=False, **kwargs)
 
 
-def _run_tx(tx, state=None, steps: int = 2) -> tuple[Any, float]:
+def _step(tx, params, state):
+  scale = jaxamp.get_loss_scale(state)
+  grads = jax.grad(lambda p: loss_fn(p, TARGET) * scale)(params)
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+_JITTED_STEPS: dict = {}
+
+
+def _run_tx(tx, state=None, steps: int = 2, *, reuse: bool = False) -> tuple[Any, float]:
+  """Trains ``steps`` steps; ``reuse=True`` compiles the step once per ``tx`` (a shared one)."""
   params = W0
   state = tx.init(params) if state is None else state
+  step = (_JITTED_STEPS.setdefault(id(tx), jax.jit(lambda p, s: _step(tx, p, s))) if reuse
+          else lambda p, s: _step(tx, p, s))
   for _ in range(steps):
-    scale = jaxamp.get_loss_scale(state)
-    grads = jax.grad(lambda p: loss_fn(p, TARGET) * scale)(params)
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = step(params, state)
   return params, float(jaxamp.get_loss_scale(state))
 
 
-@_settings(20)
+_DEFAULT_TXS: dict = {}
+
+
+def _default_tx(factory: str):
+  if factory not in _DEFAULT_TXS:
+    _DEFAULT_TXS[factory] = _build_tx(factory, {})
+  return _DEFAULT_TXS[factory]
+
+
+@_settings(40)
 @given(factory=st.sampled_from(sorted(_FACTORY_ARGS)), data=st.data())
 def test_functional_factories(factory, data):
   name = data.draw(st.sampled_from(_FACTORY_ARGS[factory]))
@@ -265,7 +284,9 @@ def test_functional_factories(factory, data):
   kwargs = {name: value}
 
   def run(tx):
-    return _run_tx(tx if tx is not None else _build_tx(factory, {}))
+    if tx is None:
+      return _run_tx(_default_tx(factory), reuse=True)
+    return _run_tx(tx)
 
   # A window longer than the run, or a bound that clips everything away, cannot descend.
   descent = (not (name == "every_k" and not sane(value, 0, 3))
@@ -310,7 +331,7 @@ def test_upgrade_opt_state(key, value, data):
 
   def run(state):
     assert _same(jax.tree.map(np.asarray, _TEMPLATE), template_before)
-    return _run_tx(_TEMPLATE_TX, state if state is not None else _TEMPLATE)
+    return _run_tx(_TEMPLATE_TX, state if state is not None else _TEMPLATE, reuse=True)
 
   check("upgrade_opt_state", lambda: jaxamp.upgrade_opt_state(restored, _TEMPLATE),
         names + ("state",), run=run)
@@ -320,7 +341,7 @@ def test_upgrade_opt_state(key, value, data):
 @given(value=values)
 def test_set_loss_scale(value):
   check("set_loss_scale", lambda: jaxamp.set_loss_scale(_TEMPLATE, value), ("scale",),
-        run=lambda s: _run_tx(_TEMPLATE_TX, s if s is not None else _TEMPLATE))
+        run=lambda s: _run_tx(_TEMPLATE_TX, s if s is not None else _TEMPLATE, reuse=True))
 
 
 # -------------------------------------------------------------------------------------------------
