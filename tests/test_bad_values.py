@@ -167,20 +167,50 @@ _FAILURES: list = []
 
 def check(entry: str, call: Callable[[], Any], names: tuple, *,
           snapshot: Callable[[], Any] = lambda: None,
-          run: Callable[[Any], tuple[Any, float]], descent: bool = True) -> None:
-  """:func:`_check`; with ``JAXAMP_BAD_VALUES_COLLECT=<path>``, failures are recorded, not raised."""
+          run: Callable[[Any], tuple[Any, float]], descent: bool = True,
+          loaded: Any = None) -> None:
+  """:func:`_check`; with ``JAXAMP_BAD_VALUES_COLLECT=<path>``, failures are recorded, not raised.
+
+  ``loaded``: for a load, the dict loaded; an accepted load must restore it
+  as given (:func:`_as_loaded`).
+  """
   if not _COLLECT:
-    _check(entry, call, names, snapshot=snapshot, run=run, descent=descent)
+    _check(entry, call, names, snapshot=snapshot, run=run, descent=descent, loaded=loaded)
     return
   try:
-    _check(entry, call, names, snapshot=snapshot, run=run, descent=descent)
+    _check(entry, call, names, snapshot=snapshot, run=run, descent=descent, loaded=loaded)
   except Exception as err:  # noqa: BLE001 (the collecting mode records every failure)
     _FAILURES.append({"entry": entry, "error": f"{type(err).__name__}: {err}"[:300]})
 
 
+def _as_loaded(loaded: Any, current: Any) -> bool:
+  """Whether ``current`` (a ``state_dict()``) holds what ``loaded`` held: same keys, same values.
+
+  A load that is accepted must restore what it was given: not ``"False"``
+  as ``True``, not the first element of a longer scale, not fewer members.
+  """
+  if isinstance(loaded, dict) or isinstance(current, dict):
+    if not (isinstance(loaded, dict) and isinstance(current, dict)):
+      return False
+    return set(loaded) == set(current) and all(_as_loaded(loaded[k], current[k])
+                                                 for k in loaded)
+  try:
+    a = np.asarray(loaded).reshape(-1)
+    b = np.asarray(current).reshape(-1)
+  except (TypeError, ValueError):
+    return False
+  if a.shape != b.shape or a.dtype.kind in "OUS" or b.dtype.kind in "OUS":
+    return False
+  if a.dtype == np.bool_ or b.dtype == np.bool_:
+    return a.dtype == b.dtype and bool(np.all(a == b))
+  return bool(np.all((a.astype(np.float64) == b.astype(np.float64))
+                     | (np.isnan(a.astype(np.float64)) & np.isnan(b.astype(np.float64)))))
+
+
 def _check(entry: str, call: Callable[[], Any], names: tuple, *,
           snapshot: Callable[[], Any] = lambda: None,
-          run: Callable[[Any], tuple[Any, float]], descent: bool = True) -> None:
+          run: Callable[[Any], tuple[Any, float]], descent: bool = True,
+          loaded: Any = None) -> None:
   """Runs ``call``; asserts either a clean refusal or an uncorrupted, descending run.
 
   ``run(result)`` takes what ``call`` returned (``None`` when it was
@@ -204,6 +234,8 @@ def _check(entry: str, call: Callable[[], Any], names: tuple, *,
     else:
       _COUNTS[entry]["accepted"] += 1
       refused = False
+      if loaded is not None:
+        assert _as_loaded(loaded, snapshot()), f"{entry}: accepted, but not restored as given"
     params, scale = run(result)
   _COUNTS[entry]["cases"] += 1
   assert math.isfinite(scale) and scale > 0, f"{entry}: scale {scale}"
@@ -431,7 +463,7 @@ def test_torch_load_state_dict(data):
   scaler = _torch_scaler()
   sd, names = _mutated(scaler.state_dict(), data, _TORCH_KEYS)
   check("GradScaler.load_state_dict", lambda: scaler.load_state_dict(sd), names,
-        snapshot=scaler.state_dict, run=lambda _: _torch_iterations(scaler))
+        snapshot=scaler.state_dict, run=lambda _: _torch_iterations(scaler), loaded=sd)
 
 
 @_settings(8)
@@ -511,7 +543,7 @@ def test_paddle_load_state_dict(data):
   _paddle_iterations(scaler, 1)
   sd, names = _mutated(scaler.state_dict(), data, _PADDLE_KEYS)
   check("paddle.GradScaler.load_state_dict", lambda: scaler.load_state_dict(sd), names,
-        snapshot=scaler.state_dict, run=lambda _: _paddle_iterations(scaler))
+        snapshot=scaler.state_dict, run=lambda _: _paddle_iterations(scaler), loaded=sd)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -628,7 +660,10 @@ def test_optim_wrapper_dict_load_state_dict(data):
     names = ("state_dict", "gen", "disc", "OptimWrapperDict")
   try:
     check("OptimWrapperDict.load_state_dict", lambda: _DICT.load_state_dict(sd), names,
-          snapshot=_DICT.state_dict, run=lambda _: _wrapper_iterations(_GEN), descent=descent)
+          snapshot=lambda: {k: {} for k in _DICT.state_dict()} if kind == "missing" else (
+              _DICT.state_dict()),
+          run=lambda _: _wrapper_iterations(_GEN), descent=descent,
+          loaded={k: {} for k in sd} if kind == "missing" else None)
   finally:
     _DICT.load_state_dict(_DICT_GOOD)
 
