@@ -20,6 +20,7 @@ import optax
 from jax import lax
 
 from jaxamp._src import finite
+from jaxamp._src import fp8
 from jaxamp._src import selective_update
 from jaxamp._src import sharding
 from jaxamp._src import state as state_lib
@@ -196,6 +197,7 @@ def accumulate_gradients(
     return jnp.dtype(jnp.float32) if dtype in _HALF else dtype
 
   def init_fn(params):
+    fp8.refuse(params, "accumulate_gradients")
     if accumulates:
       # zeros_like: the accumulator is sharded like the parameters.
       acc = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=leaf_acc_dtype(p)), params)
