@@ -1,0 +1,187 @@
+"""Flax's fp8 layers: the overwrite-with-gradient state is never unscaled, averaged or stepped.
+
+Every jaxamp path is compared with flax's own ``TrainState``, which runs the
+optimizer on ``grads['params']`` and overwrites ``'_overwrite_with_gradient'``
+with what the backward pass returned; accumulation and microbatching with one
+step on the concatenated batch; skipped steps with the state before them.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from flax.linen import fp8_ops
+from flax.nnx import bridge
+from flax.training import train_state as flax_train_state
+
+import jaxamp
+import jaxamp.nnx
+
+OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
+HIST = 8  # a short amax history: the roll is visible after a few steps
+
+
+class Snippet(nn.Module):
+  """The model of the report: one fp8 Dense layer with flax's default history."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(32, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)(x)
+
+
+class Mlp(nn.Module):
+  """Two fp8 Dense layers (or ordinary ones), with short amax histories."""
+
+  fp8: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    kw = ({"dot_general_cls": functools.partial(fp8_ops.Fp8DirectDotGeneralOp,
+                                                amax_history_length=HIST)}
+          if self.fp8 else {})
+    x = nn.relu(nn.Dense(16, **kw)(x))
+    return nn.Dense(4, **kw)(x)
+
+
+def _snippet():
+  model = Snippet()
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 64))
+  variables = model.init(jax.random.PRNGKey(1), x)
+  return model, variables, x
+
+
+def _input_amax(variables, layer="Dense_0"):
+  return variables[OWG][layer]["Fp8DirectDotGeneralOp_0"]["input_amax_history"][0]
+
+
+def _assert_same_fp8(got, want):
+  """The fp8 collections are equal element by element."""
+  jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), np.asarray(w)),
+               got[OWG], want[OWG])
+
+
+def _assert_params_close(got, want, rtol=1e-6):
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-7),
+               got["params"], want["params"])
+
+
+def _flax_step(model, variables, loss_fn, lr=0.1, grad_factor=1.0):
+  """Flax's own TrainState (the reference rule), on the backward pass of ``grad_factor * loss``.
+
+  The fp8 values are those of that backward pass; the parameters' gradients are
+  divided by the (power-of-two) factor, as a loss scaler divides them.
+  """
+  state = flax_train_state.TrainState.create(apply_fn=model.apply, params=variables,
+                                             tx=optax.sgd(lr))
+  grads = jax.grad(lambda v: grad_factor * loss_fn(v))(variables)
+  grads = {**grads, "params": jax.tree.map(lambda g: g / grad_factor, grads["params"])}
+  return state.apply_gradients(grads=grads).params
+
+
+# -- the snippet of the report, on every path ----------------------------------------------------
+
+
+def _loss(model):
+  return lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+
+
+def _train_state(tx):
+  def run(model, variables, x):
+    state = jaxamp.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+    grads = jax.grad(lambda v: state.scale_loss(_loss(model)(v, x)))(state.params)
+    return jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads).params
+  return run
+
+
+def _core(model, variables, x):
+  tx = jaxamp.overwrite_with_gradient(jaxamp.dynamic_loss_scale(optax.sgd(0.1)))
+  opt_state = tx.init(variables)
+  grads = jax.grad(lambda v: jaxamp.scale_loss(_loss(model)(v, x), opt_state))(variables)
+  updates, _ = tx.update(grads, opt_state, variables)
+  return jaxamp.apply_updates(variables, updates)
+
+
+def _accumulated(model, variables, x):
+  # Two micro-steps on the same batch: the window's maximum is that batch's amax.
+  tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 2)
+  state = jaxamp.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+  step = jax.jit(lambda s: s.apply_gradients(
+      grads=jax.grad(lambda v: s.scale_loss(_loss(model)(v, x)))(s.params)))
+  return step(step(state)).params
+
+
+def _microbatched(model, variables, x):
+  fn = jaxamp.microbatch_value_and_grad(_loss(model), 2)
+  tx = jaxamp.overwrite_with_gradient(optax.sgd(0.1))
+  _, grads = fn(variables, x)
+  updates, _ = tx.update(grads, tx.init(variables), variables)
+  return jaxamp.apply_updates(variables, updates)
+
+
+def _nnx(model, variables, x):
+  del variables
+  module = bridge.ToNNX(model, rngs=nnx.Rngs(1)).lazy_init(x)
+  before = _linen_variables(module)
+  opt = jaxamp.nnx.Optimizer(module, jaxamp.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+  diff = nnx.DiffState(0, nnx.Any(nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+
+  @nnx.jit
+  def step(module, opt, x):
+    loss_fn = lambda m: opt.scale_loss(jnp.mean(m(x) ** 2))  # noqa: E731
+    opt.update(module, nnx.grad(loss_fn, argnums=diff)(module))
+
+  step(module, opt, x)
+  return before, _linen_variables(module)
+
+
+def _linen_variables(module):
+  """The Linen-style ``{'params': ..., OWG: ...}`` dict of a ``ToNNX`` module."""
+  params = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+  fp8 = nnx.to_pure_dict(nnx.state(module, jaxamp.nnx.OverwriteWithGradient))
+  return jax.tree.map(jnp.asarray, {"params": params, OWG: fp8})
+
+
+def _wrapper(cls, **kw):
+  def run(model, variables, x):
+    wrapper = cls(optax.sgd(0.1), variables, **kw)
+    wrapper.update_params(_loss(model), x)
+    return wrapper.params
+  return run
+
+
+PATHS = {
+    "TrainState": _train_state(optax.sgd(0.1)),
+    "TrainState+dynamic_loss_scale": _train_state(jaxamp.dynamic_loss_scale(optax.sgd(0.1))),
+    "core": _core,
+    "accumulate_gradients": _accumulated,
+    "microbatch_value_and_grad": _microbatched,
+    "nnx.Optimizer": _nnx,
+    "OptimWrapper": _wrapper(jaxamp.OptimWrapper),
+    "AmpOptimWrapper": _wrapper(jaxamp.AmpOptimWrapper),
+}
+
+# How much larger than flax's the output gradients are in the backward pass: the loss
+# scale (2**16 by default), or 2 for a half batch's mean loss.
+GRAD_FACTOR = {"TrainState": 1.0, "OptimWrapper": 1.0, "microbatch_value_and_grad": 2.0}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_the_fp8_state_is_overwritten_as_flax_does(path):
+  model, variables, x = _snippet()
+  got = PATHS[path](model, variables, x)
+  if isinstance(got, tuple):  # NNX: its own initial variables
+    variables, got = got
+  want = _flax_step(model, variables, lambda v: _loss(model)(v, x))
+  np.testing.assert_allclose(_input_amax(want), 3.2954, rtol=1e-4)  # the input's amax
+  np.testing.assert_allclose(_input_amax(got), 3.2954, rtol=1e-4)
+  # Element by element: flax's TrainState on the same backward pass (the output
+  # gradients' amax is that of the gradients the backward pass saw, scaled).
+  want = _flax_step(model, variables, lambda v: _loss(model)(v, x),
+                    grad_factor=GRAD_FACTOR.get(path, 2.0**16))
+  _assert_same_fp8(got, want)
+  _assert_params_close(got, want)
