@@ -59,9 +59,10 @@ def _input_amax(variables, layer="Dense_0"):
   return variables[OWG][layer]["Fp8DirectDotGeneralOp_0"]["input_amax_history"][0]
 
 
-def _assert_same_fp8(got, want):
-  """The fp8 collections are equal element by element."""
-  jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), np.asarray(w)),
+def _assert_same_fp8(got, want, rtol=0.0):
+  """The fp8 collections are equal element by element (within ``rtol``)."""
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol,
+                                                       atol=0),
                got[OWG], want[OWG])
 
 
@@ -185,3 +186,199 @@ def test_the_fp8_state_is_overwritten_as_flax_does(path):
                     grad_factor=GRAD_FACTOR.get(path, 2.0**16))
   _assert_same_fp8(got, want)
   _assert_params_close(got, want)
+
+
+# -- a skipped step keeps the fp8 state ------------------------------------------------------------
+
+BIG_SCALE = 2.0**126  # the scaled output gradients of a batch times 1e6 overflow float32
+
+
+def _skip_train_state(model, variables, x):
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=BIG_SCALE)
+  state = jaxamp.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+  grads = jax.grad(lambda v: state.scale_loss(_loss(model)(v, x)))(state.params)
+  state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
+  return state.params, grads, state.skipped_steps
+
+
+def _skip_core(model, variables, x):
+  tx = jaxamp.overwrite_with_gradient(jaxamp.dynamic_loss_scale(optax.sgd(0.1),
+                                                                init_scale=BIG_SCALE))
+  opt_state = tx.init(variables)
+  grads = jax.grad(lambda v: jaxamp.scale_loss(_loss(model)(v, x), opt_state))(variables)
+  updates, opt_state = jax.jit(tx.update)(grads, opt_state, variables)
+  return jaxamp.apply_updates(variables, updates), grads, jaxamp.skipped_steps(opt_state)
+
+
+def _skip_wrapper(model, variables, x):
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), variables,
+                                   loss_scale={"init_scale": BIG_SCALE})
+  grads = jax.grad(lambda v: BIG_SCALE * _loss(model)(v, x))(variables)
+  wrapper.update_params(_loss(model), x)
+  return wrapper.params, grads, wrapper.step_metrics()["skipped_steps"]
+
+
+SKIP_PATHS = {"TrainState": _skip_train_state, "core": _skip_core,
+              "AmpOptimWrapper": _skip_wrapper}
+
+
+@pytest.mark.parametrize("path", sorted(SKIP_PATHS))
+def test_a_skipped_step_keeps_the_fp8_state(path):
+  model, variables, x = _snippet()
+  x = x * 1e6
+  after, grads, skipped = SKIP_PATHS[path](model, variables, x)
+  returned = grads[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["output_grad_amax_history"]
+  assert not np.isfinite(returned[0])  # the backward pass overflowed...
+  assert int(skipped) == 1
+  _assert_same_fp8(after, variables)  # ...and its inf amax was not written
+  _assert_params_close(after, variables, rtol=0)
+
+
+def test_a_skipped_step_keeps_the_fp8_state_nnx():
+  model, _, x = _snippet()
+  module = bridge.ToNNX(model, rngs=nnx.Rngs(1)).lazy_init(x)
+  before = _linen_variables(module)
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=BIG_SCALE)
+  opt = jaxamp.nnx.Optimizer(module, tx, wrt=nnx.Param)
+  diff = nnx.DiffState(0, nnx.Any(nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+
+  @nnx.jit
+  def step(module, opt, x):
+    loss_fn = lambda m: opt.scale_loss(jnp.mean(m(x) ** 2))  # noqa: E731
+    grads = nnx.grad(loss_fn, argnums=diff)(module)
+    opt.update(module, grads)
+    return nnx.state(grads, jaxamp.nnx.OverwriteWithGradient)
+
+  returned = step(module, opt, x * 1e6)
+  assert not np.isfinite(returned["Dense_0"]["Fp8DirectDotGeneralOp_0"]["output_grad_amax_history"][0])
+  assert int(opt.skipped_steps) == 1 and int(opt.step[...]) == 0
+  after = _linen_variables(module)
+  _assert_same_fp8(after, before)
+  _assert_params_close(after, before, rtol=0)
+
+
+# -- micro-steps combine into the step on the concatenated batch -----------------------------------
+
+N_MICRO, MICRO = 2, 4
+SCALES = (1e-3, 1e3)  # the micro-batches' magnitudes
+
+
+def _mlp_data():
+  model = Mlp()
+  keys = jax.random.split(jax.random.PRNGKey(3), N_MICRO + 1)
+  micro = [s * jax.random.normal(k, (MICRO, 8)) for s, k in zip(SCALES, keys)]
+  variables = model.init(keys[-1], micro[0])
+  return model, variables, micro
+
+
+def _input_history(variables):
+  return variables[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
+
+
+def _sum_loss(model, total):
+  """Each example's share of the whole batch's mean: micro-steps see the whole batch's gradients."""
+  return lambda v, x: jnp.sum(model.apply(v, x) ** 2) / total
+
+
+def _flax_windows(model, variables, micro, windows, lr=0.1):
+  """Flax's TrainState, one step per window on the concatenated batch."""
+  batch = jnp.concatenate(micro)
+  loss_fn = _sum_loss(model, batch.shape[0])
+  state = flax_train_state.TrainState.create(apply_fn=model.apply, params=variables,
+                                             tx=optax.sgd(lr))
+  for _ in range(windows):
+    state = state.apply_gradients(grads=jax.grad(loss_fn)(state.params, batch))
+  return state.params
+
+
+def _accumulate_train_state(model, variables, micro, windows):
+  tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1.0),
+                                   N_MICRO, average=False)
+  state = jaxamp.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+  loss_fn = _sum_loss(model, N_MICRO * MICRO)
+
+  @jax.jit
+  def step(state, x):
+    return state.apply_gradients(grads=jax.grad(
+        lambda v: state.scale_loss(loss_fn(v, x)))(state.params))
+
+  history = []
+  for _ in range(windows):
+    for x in micro:
+      state = step(state, x)
+      history.append(state.params)
+  return history
+
+
+def _accumulate_core(model, variables, micro, windows):
+  tx = jaxamp.overwrite_with_gradient(
+      jaxamp.accumulate_gradients(optax.sgd(0.1), N_MICRO, average=False))
+  opt_state = tx.init(variables)
+  loss_fn = _sum_loss(model, N_MICRO * MICRO)
+  update = jax.jit(tx.update)
+  history = []
+  for _ in range(windows):
+    for x in micro:
+      updates, opt_state = update(jax.grad(loss_fn)(variables, x), opt_state, variables)
+      variables = jaxamp.apply_updates(variables, updates)
+      history.append(variables)
+  return history
+
+
+def _accumulate_wrapper(model, variables, micro, windows):
+  # mmengine divides each micro-batch's (mean) loss by the window's size.
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), variables, loss_scale={"init_scale": 1.0},
+                                   accumulative_counts=N_MICRO)
+  loss_fn = _sum_loss(model, MICRO)  # divided by 2 by the wrapper: the share of 8 examples
+  history = []
+  for _ in range(windows):
+    for x in micro:
+      wrapper.update_params(loss_fn, x)
+      history.append(wrapper.params)
+  return history
+
+
+ACCUMULATE_PATHS = {"TrainState": _accumulate_train_state, "core": _accumulate_core,
+                    "AmpOptimWrapper": _accumulate_wrapper}
+
+
+@pytest.mark.parametrize("path", sorted(ACCUMULATE_PATHS))
+def test_accumulated_micro_steps_give_the_concatenated_batch_step(path):
+  model, variables, micro = _mlp_data()
+  windows = 3
+  history = ACCUMULATE_PATHS[path](model, variables, micro, windows)
+  for w in range(windows):
+    want = _flax_windows(model, variables, micro, w + 1)
+    got = history[N_MICRO * (w + 1) - 1]
+    # The micro-step inside the window changed nothing.
+    _assert_same_fp8(history[N_MICRO * w], history[N_MICRO * w - 1] if w else variables)
+    # The first window: exact. Later ones start from parameters that differ by the rounding
+    # of a sum of two gradients; the amaxes they give inherit it (the first layer's input
+    # history depends on the data only, and stays exact).
+    _assert_same_fp8(got, want, rtol=0.0 if w == 0 else 1e-6)
+    np.testing.assert_array_equal(_input_history(got), _input_history(want))
+    _assert_params_close(got, want, rtol=1e-5)
+  # The amax is the large micro-batch's, the rolled history and the scales the window's.
+  op = history[-1][OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]
+  np.testing.assert_array_equal(op["input_amax_history"][:1],
+                                jnp.max(jnp.abs(micro[1])))
+  assert float(op["input_scale"][0]) != 1.0
+
+
+def test_microbatched_gradient_gives_the_concatenated_batch_step():
+  model, variables, micro = _mlp_data()
+  # Strided micro-batches: example j goes to micro-batch j % 2.
+  batch = jnp.stack(micro, axis=1).reshape(N_MICRO * MICRO, -1)
+  loss_fn = _sum_loss(model, N_MICRO * MICRO)
+  fn = jax.jit(jaxamp.microbatch_value_and_grad(loss_fn, N_MICRO))
+  tx = jaxamp.overwrite_with_gradient(optax.sgd(0.1 * N_MICRO))  # the mean of sums: lr * 2
+  opt_state = tx.init(variables)
+  for w in range(3):
+    _, grads = fn(variables, batch)
+    updates, opt_state = tx.update(grads, opt_state, variables)
+    variables = jaxamp.apply_updates(variables, updates)
+    want = _flax_windows(model, model.init(jax.random.split(jax.random.PRNGKey(3), 3)[-1],
+                                           micro[0]), micro, w + 1)
+    _assert_same_fp8(variables, want, rtol=0.0 if w == 0 else 1e-6)
+    np.testing.assert_array_equal(_input_history(variables), _input_history(want))
+    _assert_params_close(variables, want, rtol=1e-5)
