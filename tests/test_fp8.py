@@ -382,3 +382,58 @@ def test_microbatched_gradient_gives_the_concatenated_batch_step():
     _assert_same_fp8(variables, want, rtol=0.0 if w == 0 else 1e-6)
     np.testing.assert_array_equal(_input_history(variables), _input_history(want))
     _assert_params_close(variables, want, rtol=1e-5)
+
+
+# -- an overflow the fp8 layer saturates ---------------------------------------------------------
+
+
+class NoBias(nn.Module):
+  """One fp8 layer without bias: an overflowing output gradient saturates in e5m2, and the
+  kernel's gradient stays finite."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(32, use_bias=False, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)(x)
+
+
+@pytest.mark.parametrize("path", ["TrainState", "core", "AmpOptimWrapper"])
+def test_a_saturated_overflow_skips_the_step_and_backs_off(path):
+  model = NoBias()
+  x = 1e6 * jax.random.normal(jax.random.PRNGKey(0), (8, 64))
+  variables = model.init(jax.random.PRNGKey(1), x)
+  grads = jax.grad(lambda v: BIG_SCALE * _loss(model)(v, x))(variables)
+  op = grads[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]
+  assert not np.isfinite(op["output_grad_amax_history"][0])  # the overflow...
+  assert np.all(np.isfinite(grads["params"]["Dense_0"]["kernel"]))  # ...hidden by saturation
+  if path == "TrainState":
+    tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=BIG_SCALE)
+    state = jaxamp.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+    state = state.apply_gradients(grads=grads)
+    after, scale, skipped = state.params, state.loss_scale, state.skipped_steps
+  elif path == "core":
+    tx = jaxamp.overwrite_with_gradient(
+        jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=BIG_SCALE))
+    opt_state = tx.init(variables)
+    updates, opt_state = tx.update(grads, opt_state, variables)
+    after = jaxamp.apply_updates(variables, updates)
+    scale, skipped = jaxamp.get_loss_scale(opt_state), jaxamp.skipped_steps(opt_state)
+  else:
+    wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), variables,
+                                     loss_scale={"init_scale": BIG_SCALE})
+    wrapper.update_params(_loss(model), x)
+    metrics = wrapper.step_metrics()
+    after, scale, skipped = wrapper.params, metrics["loss_scale"], metrics["skipped_steps"]
+  assert int(skipped) == 1 and float(scale) == BIG_SCALE / 2
+  _assert_same_fp8(after, variables)
+  _assert_params_close(after, variables, rtol=0)
+
+
+def test_without_a_loss_scaler_a_non_finite_fp8_value_is_not_written():
+  model = NoBias()
+  x = 1e6 * jax.random.normal(jax.random.PRNGKey(0), (8, 64))
+  variables = model.init(jax.random.PRNGKey(1), x)
+  grads = jax.grad(lambda v: BIG_SCALE * _loss(model)(v, x))(variables)
+  state = jaxamp.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.sgd(0.0))
+  state = state.apply_gradients(grads=grads)
+  assert int(state.step) == 1  # nothing can skip the step: applied
+  _assert_same_fp8(state.params, variables)  # but no inf enters a history

@@ -10,8 +10,12 @@ functions of this module:
 - the optimizer, the loss scaler's unscaling and its finite check see the
   tree without that collection (:func:`split`);
 - the collection is overwritten with the returned values when the step is
-  applied, and keeps its old values on a skipped step or a micro-step that
-  does not close its accumulation window (:func:`select`);
+  applied and they are finite, and keeps its old values on a skipped step or
+  a micro-step that does not close its accumulation window (:func:`overwrite`);
+- a non-finite returned value (the inf amax of an overflowing gradient, which
+  the layer's e5m2 quantization saturates, so that the parameters' gradients
+  may stay finite) skips the step as a non-finite gradient does, where the
+  transformation can skip (:func:`flag_overflow`): the loss scale backs off;
 - micro-steps combine by an elementwise maximum (:func:`accumulate`): every
   micro-step of a window starts from the same fp8 state, so the scales and
   the rolled histories they return are identical and only the newest amax
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxamp._src import finite
 from jaxamp._src import state as state_lib
 from jaxamp._src.state import AccumulationState
 
@@ -90,11 +95,42 @@ def select(applied: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(lambda n, o: jnp.where(applied, jnp.asarray(n).astype(o.dtype), o), new, old)
 
 
+def written(applied: jax.Array, new_fp8: Any) -> jax.Array:
+  """Whether the step writes the fp8 values: applied, and every value finite."""
+  return jnp.logical_and(applied, finite.all_finite(new_fp8))
+
+
 def overwrite(rest: Any, old_fp8: Any, new_fp8: Any, applied: jax.Array) -> Any:
-  """``rest`` with the fp8 collection: ``new_fp8`` where ``applied``, else ``old_fp8``."""
+  """``rest`` with the fp8 collection: ``new_fp8`` where :func:`written`, else ``old_fp8``."""
   if old_fp8 is None:
     return rest
-  return merge(rest, select(applied, new_fp8, old_fp8))
+  return merge(rest, select(written(applied, new_fp8), new_fp8, old_fp8))
+
+
+def can_skip(inner_state: Any) -> bool:
+  """Whether the transformation of ``inner_state`` skips non-finite steps (static)."""
+  return (state_lib.skips_nonfinite_steps(inner_state)
+          or bool(state_lib.find_states(inner_state, AccumulationState)))
+
+
+def flag_overflow(grads: Any, new_fp8: Any, inner_state: Any) -> Any:
+  """``grads``, made NaN when a returned fp8 value is not finite and the transformation skips.
+
+  An fp8 layer's backward pass quantizes the output gradients to e5m2 with
+  saturation: an overflowing (scaled) gradient leaves an inf amax but finite
+  parameter gradients. Handed on as non-finite gradients, the overflow skips
+  the step and backs off the loss scale, as it would without fp8 layers.
+  """
+  if new_fp8 is None or not can_skip(inner_state):
+    return grads
+  ok = finite.all_finite(new_fp8)
+
+  def flag(g):
+    if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
+      return g
+    return jnp.where(ok, g, jnp.asarray(jnp.nan, jnp.result_type(g)))
+
+  return jax.tree.map(flag, grads)
 
 
 def pmean(grads: Any, axis_name: Any) -> Any:
@@ -183,11 +219,13 @@ def overwrite_with_gradient(inner: optax.GradientTransformation
 
   ``inner`` sees the tree without the collection: its gradients are
   unscaled, checked and stepped as usual, and the fp8 values take no part
-  in the decision to skip. The collection's entry of the returned updates
-  holds the values to write (an :class:`Overwrite`): the values the backward
-  pass returned when ``inner`` applied its step, the old ones when it
-  skipped the step (a non-finite amax never enters a history) or only
-  accumulated. Inside :func:`accumulate_gradients` the values of a window's
+  in the decision to skip, except that a non-finite one (an overflow that
+  the layer's e5m2 quantization saturated) skips the step where ``inner``
+  can skip (a loss scaler or :func:`accumulate_gradients` inside). The
+  collection's entry of the returned updates holds the values to write (an
+  ``Overwrite``): the values the backward pass returned when ``inner``
+  applied its step, the old ones when it skipped the step (a non-finite
+  amax never enters a history) or only accumulated. Inside :func:`accumulate_gradients` the values of a window's
   micro-steps are combined by an elementwise maximum, kept in this
   transformation's state, so the window's step writes what one step on the
   concatenated batch would. Apply the updates with :func:`apply_updates`;
@@ -232,6 +270,7 @@ def overwrite_with_gradient(inner: optax.GradientTransformation
     if new_fp8 is not None and old_fp8 is None:
       raise ValueError("overwrite_with_gradient: the gradients hold the fp8 collection "
                        f"'{OVERWRITE_WITH_GRADIENT}'; pass the variables as params to update()")
+    grads = flag_overflow(grads, new_fp8, state.inner_state)
     rest_updates, inner_state = inner.update(grads, state.inner_state, rest_params, **extra_args)
     if new_fp8 is None:
       return rest_updates, state._replace(inner_state=inner_state)
@@ -243,7 +282,7 @@ def overwrite_with_gradient(inner: optax.GradientTransformation
       combined = jax.tree.map(lambda w, n: jnp.maximum(w, n.astype(w.dtype)), window, new_fp8)
       closed = window_closed(inner_state)
       window = select(closed, empty_window(window), combined)
-    values = select(applied, combined, old_fp8)
+    values = select(written(applied, combined), combined, old_fp8)
     return (merge(rest_updates, Overwrite(values)),
             OverwriteWithGradientState(window=window, inner_state=inner_state))
 

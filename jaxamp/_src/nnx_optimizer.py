@@ -86,6 +86,10 @@ class Optimizer(nnx.Optimizer):
     """
     step = self.step[...]
     before = nnx.as_pure(self.opt_state)
+    # A non-finite fp8 value (a saturated overflow) skips the step (fp8.flag_overflow).
+    new = nnx.as_pure(nnx.state(grads, OverwriteWithGradient))
+    if jax.tree.leaves(new):
+      grads = fp8.flag_overflow(grads, new, before)
     updates = super().update(model, grads, **kwargs)
     after = nnx.as_pure(self.opt_state)
     applied = state_lib.update_applied(before, after)
@@ -108,7 +112,7 @@ class Optimizer(nnx.Optimizer):
       kept = fp8.select(fp8.window_closed(after), fp8.empty_window(window), combined)
       jax.tree.map(lambda var, value: var.set_value(value), self.fp8_window, kept,
                    is_leaf=lambda x: isinstance(x, nnx.Variable))
-    nnx.update(model, fp8.select(applied, combined, old))
+    nnx.update(model, fp8.select(fp8.written(applied, combined), combined, old))
 
   @property
   def loss_scale(self) -> jax.Array:

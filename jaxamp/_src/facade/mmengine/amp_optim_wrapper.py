@@ -258,6 +258,7 @@ class AmpOptimWrapper(OptimWrapper):
       return super()._update(params, state, grads, skip)
     grads = sharding_pins.constrain(grads, self._shardings)
     (params, old_fp8), (grads, new_fp8) = fp8.split(params), fp8.split(grads)
+    grads = fp8.flag_overflow(grads, new_fp8, state)
     updates, new_state = self._tx.update(grads, state, params)
     new_params = optax.apply_updates(params, updates)
     # A skipped step leaves the params bit-identical (even -0.0, which + 0 would turn to 0.0).

@@ -394,8 +394,10 @@ class OptimWrapper:
     return self._update(params, state, grads, skip)
 
   def _apply_scaled_impl(self, name, params, state, grads, scale):
-    grads, values = fp8.split(grads)  # Flax's fp8 values: neither unscaled nor checked
+    grads, values = fp8.split(grads)  # Flax's fp8 values: not unscaled; inf only when overflowed
     found_inf = jnp.logical_not(finite.unscaled_all_finite(grads, scale))
+    if values is not None:
+      found_inf = jnp.logical_or(found_inf, jnp.logical_not(finite.all_finite(values)))
     params, state, norm = self._apply_impl(
         name, params, state, fp8.merge(finite.unscale(grads, scale), values), found_inf)
     return params, state, norm, found_inf
