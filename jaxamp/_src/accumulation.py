@@ -121,6 +121,12 @@ def accumulate_gradients(
   it per device (e.g. a leading device axis in the ``shard_map`` specs, or
   the whole loop inside the mapped function).
 
+  **Flax's fp8 layers**: ``init`` refuses parameters holding their
+  collection ``'_overwrite_with_gradient'``. Wrap the whole transformation
+  in :func:`overwrite_with_gradient` (or use :class:`TrainState`,
+  ``jaxamp.nnx.Optimizer``), which combines the window's fp8 values by
+  their maximum and writes them when the window's step is applied.
+
   Choose this transformation when micro-batches arrive over separate calls
   (a data loader yielding micro-batches, ported PyTorch/mmengine loops,
   ``total_steps`` remainders). When the whole large batch is at hand in one

@@ -68,8 +68,9 @@ def _like(template: Mapping, items: dict) -> Any:
   """``items`` as a mapping of ``template``'s type (dict, flax's FrozenDict, ...)."""
   if type(template) is dict:
     return items
+  kind: Any = type(template)
   try:
-    return type(template)(items)
+    return kind(items)
   except TypeError:
     return items
 
@@ -225,11 +226,12 @@ def overwrite_with_gradient(inner: optax.GradientTransformation
   collection's entry of the returned updates holds the values to write (an
   ``Overwrite``): the values the backward pass returned when ``inner``
   applied its step, the old ones when it skipped the step (a non-finite
-  amax never enters a history) or only accumulated. Inside :func:`accumulate_gradients` the values of a window's
-  micro-steps are combined by an elementwise maximum, kept in this
-  transformation's state, so the window's step writes what one step on the
-  concatenated batch would. Apply the updates with :func:`apply_updates`;
-  ``optax.apply_updates`` refuses them. Keep this transformation outermost.
+  amax never enters a history) or only accumulated. Inside
+  :func:`accumulate_gradients` the values of a window's micro-steps are
+  combined by an elementwise maximum, kept in this transformation's state,
+  so the window's step writes what one step on the concatenated batch would.
+  Apply the updates with :func:`apply_updates`; ``optax.apply_updates``
+  refuses them. Keep this transformation outermost.
 
   :class:`TrainState`, ``jaxamp.nnx.Optimizer`` and the mmengine-style
   wrappers do all this themselves: pass them an unwrapped ``tx``.
@@ -263,8 +265,8 @@ def overwrite_with_gradient(inner: optax.GradientTransformation
     window = empty_window(fp8) if (fp8 is not None and accumulates) else optax.EmptyState()
     return OverwriteWithGradientState(window=window, inner_state=inner_state)
 
-  def update_fn(updates: Any, state: OverwriteWithGradientState, params: Optional[Any] = None,
-                **extra_args: Any) -> tuple[Any, OverwriteWithGradientState]:
+  def update_fn(updates: optax.Updates, state: Any, params: Optional[optax.Params] = None,
+                **extra_args: Any) -> tuple[optax.Updates, Any]:
     grads, new_fp8 = split(updates)
     rest_params, old_fp8 = split(params)
     if new_fp8 is not None and old_fp8 is None:

@@ -101,6 +101,11 @@ def microbatch_value_and_grad(
   the loss scaler checks and skips the whole batch once: PyTorch's
   accumulation recipe, in one call.
 
+  The values that Flax's fp8 layers return for their collection
+  ``'_overwrite_with_gradient'`` are combined by their maximum, not
+  averaged (``lax.pmax`` over ``axis_name``): the fp8 state of one step on
+  the whole batch (see :func:`overwrite_with_gradient`).
+
   With ``has_aux``, ``loss_fn`` returns ``(loss, aux)`` and the returned
   aux is every micro-batch's aux stacked along a new leading axis of size
   ``num_microbatches`` (take ``.mean(0)`` of metrics, ``[-1]`` of a state).

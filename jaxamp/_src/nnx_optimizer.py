@@ -33,6 +33,14 @@ class Optimizer(nnx.Optimizer):
   :attr:`loss_scale`, :meth:`scale_loss` and :attr:`skipped_steps` as plain
   arrays.
 
+  Flax's fp8 layers (Linen's, through ``nnx.bridge.ToNNX``) keep their
+  state in :data:`OverwriteWithGradient` variables. Build the optimizer with
+  ``wrt=nnx.Param`` (a ``wrt`` selecting them is refused) and differentiate
+  with respect to ``nnx.Any(nnx.Param, OverwriteWithGradient)``:
+  :meth:`update` steps the parameters and overwrites those variables with
+  the values the backward pass returned, where the step was applied (under
+  :func:`jaxamp.accumulate_gradients`, with the window's maximum).
+
   With ``nnx.Optimizer`` itself the same counter is obtained by hand::
 
     before = nnx.as_pure(optimizer.opt_state)

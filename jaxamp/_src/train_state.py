@@ -39,6 +39,12 @@ class TrainState:
   1.0 and nothing is skipped, so the same step function runs with and without
   loss scaling.
 
+  With Flax's fp8 layers (``flax.linen.fp8_ops``) pass the whole variable
+  dict as ``params``: as in Flax's ``TrainState``, the collection
+  ``'_overwrite_with_gradient'`` is kept from ``tx`` and overwritten with
+  the values the backward pass returned, and only where the step is applied
+  (see :func:`overwrite_with_gradient`, which ``tx`` is wrapped in then).
+
   ``apply_fn`` and ``tx`` are static (part of the tree structure); the other
   fields are pytree data. To add fields (``batch_stats`` for BatchNorm, say),
   subclass it as flax's is subclassed::
@@ -97,7 +103,8 @@ class TrainState:
     Args:
       apply_fn: the model's apply function.
       params: the (float32) parameters; a Linen ``{'params': ...}`` dict is
-        not unwrapped, pass ``variables['params']``.
+        not unwrapped, pass ``variables['params']``, or the whole variable
+        dict for a model with fp8 layers.
       tx: the optax transformation.
       **kwargs: values of the fields a subclass adds.
 
