@@ -495,3 +495,50 @@ def test_fp8_layers_train_like_ordinary_ones_under_loss_scaling():
   # The output gradients' fp8 state follows the scaled gradients: finite, nonzero.
   hist = fp8.params[OWG]["Dense_1"]["Fp8DirectDotGeneralOp_0"]["output_grad_amax_history"]
   assert np.all(np.isfinite(hist)) and np.all(hist > 0)
+
+
+# -- misuse is refused; the step compiles once ---------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jaxamp.dynamic_loss_scale(optax.sgd(0.1)),
+    lambda: jaxamp.static_loss_scale(optax.sgd(0.1), 2.0**8),
+    lambda: jaxamp.accumulate_gradients(optax.sgd(0.1), 2),
+])
+def test_the_core_transformations_refuse_the_fp8_collection(make):
+  _, variables, _ = _snippet()
+  with pytest.raises(ValueError, match="overwrite_with_gradient"):
+    make().init(variables)
+
+
+def test_optax_apply_updates_refuses_the_values_to_write():
+  model, variables, x = _snippet()
+  tx = jaxamp.overwrite_with_gradient(optax.sgd(0.1))
+  updates, _ = tx.update(jax.grad(_loss(model))(variables, x), tx.init(variables), variables)
+  with pytest.raises(ValueError):
+    optax.apply_updates(variables, updates)  # would add the amaxes to the histories
+
+
+def test_the_nnx_optimizer_refuses_to_step_the_fp8_variables():
+  model, _, x = _snippet()
+  module = bridge.ToNNX(model, rngs=nnx.Rngs(1)).lazy_init(x)
+  with pytest.raises(ValueError, match="wrt"):
+    jaxamp.nnx.Optimizer(module, optax.sgd(0.1), wrt=nnx.Any(nnx.Param,
+                                                             jaxamp.nnx.OverwriteWithGradient))
+
+
+def test_the_fp8_train_step_compiles_once(count_traces):
+  model, variables, micro = _mlp_data()
+  tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 2)
+  state = jaxamp.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+  loss_fn = _sum_loss(model, N_MICRO * MICRO)
+
+  def step(state, x):
+    return state.apply_gradients(grads=jax.grad(
+        lambda v: state.scale_loss(loss_fn(v, x)))(state.params))
+
+  traced, counter = count_traces(step)
+  step = jax.jit(traced)
+  for x in micro + micro:
+    state = step(state, x)
+  assert counter["n"] == 1 and int(state.step) == 2

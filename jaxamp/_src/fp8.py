@@ -250,7 +250,7 @@ def overwrite_with_gradient(inner: optax.GradientTransformation
     ...              '_overwrite_with_gradient': {'amax': jnp.zeros(2)}}
     >>> tx = jaxamp.overwrite_with_gradient(jaxamp.dynamic_loss_scale(optax.sgd(0.5)))
     >>> state = tx.init(variables)
-    >>> grads = {'params': {'w': jnp.full(2, 2.0**15)},     # scaled by 2**15
+    >>> grads = {'params': {'w': jnp.full(2, 2.0**16)},  # scaled by the loss scale
     ...          '_overwrite_with_gradient': {'amax': jnp.array([3.0, 4.0])}}
     >>> updates, state = tx.update(grads, state, variables)
     >>> variables = jaxamp.apply_updates(variables, updates)
