@@ -569,3 +569,17 @@ def test_the_fp8_train_step_compiles_once(count_traces):
   for x in micro + micro:
     state = step(state, x)
   assert counter["n"] == 1 and int(state.step) == 2
+
+
+def test_grad_scaler_unscale_leaves_the_fp8_state_unscaled():
+  model, variables, x = _snippet()
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), variables)
+  scaler = jaxamp.GradScaler()
+  wrapper.backward(scaler.scale(_loss(model)), x)
+  scaler.unscale_(wrapper)  # PyTorch's recipe: unscale (to clip, say), then step
+  scaler.step(wrapper)
+  scaler.update()
+  want = _flax_step(model, variables, lambda v: _loss(model)(v, x), grad_factor=2.0**16)
+  np.testing.assert_allclose(_input_amax(wrapper.params), 3.2954, rtol=1e-4)
+  _assert_same_fp8(wrapper.params, want)
+  _assert_params_close(wrapper.params, want)
