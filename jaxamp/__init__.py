@@ -19,6 +19,9 @@ from jaxamp._src.loss_scale import static_loss_scale
 from jaxamp._src.microbatch import microbatch_value_and_grad
 from jaxamp._src.outside import validate_opt_state
 from jaxamp._src.finite import all_finite
+from jaxamp._src.fp8 import OverwriteWithGradientState
+from jaxamp._src.fp8 import apply_updates
+from jaxamp._src.fp8 import overwrite_with_gradient
 from jaxamp._src.policy import Policy
 from jaxamp._src.policy import get_policy
 from jaxamp._src.policy import mixed_precision
@@ -55,12 +58,14 @@ __all__ = (
     "LossScaleState",
     "OptimWrapper",
     "OptimWrapperDict",
+    "OverwriteWithGradientState",
     "Policy",
     "StallWarning",
     "StalledError",
     "TrainState",
     "accumulate_gradients",
     "all_finite",
+    "apply_updates",
     "autocast",
     "build_optim_wrapper",
     "clip_grad_norm",
@@ -74,6 +79,7 @@ __all__ = (
     "has_updated",
     "microbatch_value_and_grad",
     "mixed_precision",
+    "overwrite_with_gradient",
     "paddle",
     "scale_loss",
     "set_fused_selection",

@@ -20,6 +20,7 @@ import optax
 from jax import lax
 
 from jaxamp._src import finite
+from jaxamp._src import fp8
 from jaxamp._src import selective_update
 from jaxamp._src import sharding
 from jaxamp._src import state as state_lib
@@ -120,6 +121,12 @@ def accumulate_gradients(
   it per device (e.g. a leading device axis in the ``shard_map`` specs, or
   the whole loop inside the mapped function).
 
+  **Flax's fp8 layers**: ``init`` refuses parameters holding their
+  collection ``'_overwrite_with_gradient'``. Wrap the whole transformation
+  in :func:`overwrite_with_gradient` (or use :class:`TrainState`,
+  ``jaxamp.nnx.Optimizer``), which combines the window's fp8 values by
+  their maximum and writes them when the window's step is applied.
+
   Choose this transformation when micro-batches arrive over separate calls
   (a data loader yielding micro-batches, ported PyTorch/mmengine loops,
   ``total_steps`` remainders). When the whole large batch is at hand in one
@@ -196,6 +203,7 @@ def accumulate_gradients(
     return jnp.dtype(jnp.float32) if dtype in _HALF else dtype
 
   def init_fn(params):
+    fp8.refuse(params, "accumulate_gradients")
     if accumulates:
       # zeros_like: the accumulator is sharded like the parameters.
       acc = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=leaf_acc_dtype(p)), params)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._src import finite
+from jaxamp._src import fp8
 from jaxamp._src import numerics
 from jaxamp._src import selective_update
 from jaxamp._src import state as state_lib
@@ -143,6 +144,7 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
   inner = validation.check_gradient_transformation(inner, "inner")
 
   def init_fn(params):
+    fp8.refuse(params, "dynamic_loss_scale" if rule.dynamic else "static_loss_scale")
     check_grad_dtypes(params, "params")
     inner_state = inner.init(params)
     warn_if_accumulation_inside(

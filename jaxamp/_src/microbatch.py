@@ -12,6 +12,7 @@ import optax
 from jax import lax
 
 from jaxamp._src import finite
+from jaxamp._src import fp8
 from jaxamp._src import sharding
 from jaxamp._src import state as state_lib
 from jaxamp._src import validation
@@ -99,6 +100,11 @@ def microbatch_value_and_grad(
   is the unscaled mean. The scale is the same for every micro-batch, and
   the loss scaler checks and skips the whole batch once: PyTorch's
   accumulation recipe, in one call.
+
+  The values that Flax's fp8 layers return for their collection
+  ``'_overwrite_with_gradient'`` are combined by their maximum, not
+  averaged (``lax.pmax`` over ``axis_name``): the fp8 state of one step on
+  the whole batch (see :func:`overwrite_with_gradient`).
 
   With ``has_aux``, ``loss_fn`` returns ``(loss, aux)`` and the returned
   aux is every micro-batch's aux stacked along a new leading axis of size
@@ -189,14 +195,16 @@ def microbatch_value_and_grad(
       return _wider(x.dtype, acc_dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x.dtype
 
     # Typed (sharding, varying axes) like what the scan adds into them.
-    acc0 = jax.tree.map(lambda g: sharding.full_like_type(g, 0, acc_dtype_of(g)), grads_shape)
+    # Flax's fp8 values (fp8.py) combine by maximum, from -inf.
+    acc0 = fp8.map_parts(lambda g: sharding.full_like_type(g, 0, acc_dtype_of(g)),
+                         lambda g: sharding.full_like_type(g, -jnp.inf, g.dtype), grads_shape)
     loss0 = sharding.full_like_type(loss_shape, 0, acc_dtype_of(loss_shape))
 
     def body(carry, mb):
       acc, loss_sum = carry
       grads, (loss, aux) = grad_fn(params, mb)
       # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
-      acc = jax.tree.map(lambda a, g: a + finite.as_stored(g).astype(a.dtype), acc, grads)
+      acc = fp8.accumulate(acc, grads, lambda a, g: a + finite.as_stored(g).astype(a.dtype))
       return (acc, loss_sum + loss.astype(loss_sum.dtype)), aux
 
     if num == 1:
@@ -204,10 +212,12 @@ def microbatch_value_and_grad(
       aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
     else:
       (acc, loss_sum), aux = lax.scan(body, (acc0, loss0), micro)
-    mean = jax.tree.map(lambda a: a / jnp.asarray(num, a.dtype), acc)
+    mean = fp8.map_parts(lambda a: a / jnp.asarray(num, a.dtype), lambda a: a, acc)
     loss = loss_sum / jnp.asarray(num, loss_sum.dtype)
     if axis_name is not None:
-      mean, loss = lax.pmean((mean, loss), axis_name)
+      rest, values = fp8.split(mean)
+      rest, loss = lax.pmean((rest, loss), axis_name)
+      mean = fp8.merge(rest, None if values is None else lax.pmax(values, axis_name))
     grads = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grads_shape)
     loss = loss.astype(loss_shape.dtype)
     return ((loss, aux), grads) if has_aux else (loss, grads)

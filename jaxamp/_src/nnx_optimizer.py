@@ -7,8 +7,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import variablelib
 
+from jaxamp._src import fp8
 from jaxamp._src import state as state_lib
+
+OverwriteWithGradient = variablelib.variable_type_from_name(fp8.OVERWRITE_WITH_GRADIENT,
+                                                            allow_register=True)
+"""The NNX variable type of Flax's fp8 state (the Linen collection ``'_overwrite_with_gradient'``,
+as ``nnx.bridge.ToNNX`` names it)."""
 
 
 class Optimizer(nnx.Optimizer):
@@ -25,6 +32,14 @@ class Optimizer(nnx.Optimizer):
   it equals the inner optimizer's own step count. It also offers
   :attr:`loss_scale`, :meth:`scale_loss` and :attr:`skipped_steps` as plain
   arrays.
+
+  Flax's fp8 layers (Linen's, through ``nnx.bridge.ToNNX``) keep their
+  state in :data:`OverwriteWithGradient` variables. Build the optimizer with
+  ``wrt=nnx.Param`` (a ``wrt`` selecting them is refused) and differentiate
+  with respect to ``nnx.Any(nnx.Param, OverwriteWithGradient)``:
+  :meth:`update` steps the parameters and overwrites those variables with
+  the values the backward pass returned, where the step was applied (under
+  :func:`jaxamp.accumulate_gradients`, with the window's maximum).
 
   With ``nnx.Optimizer`` itself the same counter is obtained by hand::
 
@@ -52,6 +67,20 @@ class Optimizer(nnx.Optimizer):
     (Array(1, dtype=uint32), Array(128., dtype=float32), Array(1, dtype=int32))
   """
 
+  def __init__(self, model: Any, tx: Any, *, wrt: Any, **kwargs: Any):
+    super().__init__(model, tx, wrt=wrt, **kwargs)
+    if jax.tree.leaves(nnx.state(nnx.state(model, wrt), OverwriteWithGradient)):
+      raise ValueError(
+          f"wrt={wrt!r} selects Flax's fp8 state ({fp8.OVERWRITE_WITH_GRADIENT} variables): "
+          "the optimizer must not step it. Pass wrt=nnx.Param and differentiate with respect to "
+          "nnx.Any(nnx.Param, jaxamp.nnx.OverwriteWithGradient); update() overwrites it.")
+    values = nnx.as_pure(nnx.state(model, OverwriteWithGradient))
+    accumulates = bool(state_lib.find_states(nnx.as_pure(self.opt_state),
+                                             state_lib.AccumulationState))
+    # The open accumulation window's maximum of the fp8 values (see fp8.py).
+    self.fp8_window = (nnx.data(jax.tree.map(nnx.OptState, fp8.empty_window(values)))
+                       if accumulates and jax.tree.leaves(values) else None)
+
   def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
     """Updates the parameters and optimizer state; ``step`` advances only if applied.
 
@@ -65,12 +94,33 @@ class Optimizer(nnx.Optimizer):
     """
     step = self.step[...]
     before = nnx.as_pure(self.opt_state)
+    # A non-finite fp8 value (a saturated overflow) skips the step (fp8.flag_overflow).
+    new = nnx.as_pure(nnx.state(grads, OverwriteWithGradient))
+    if jax.tree.leaves(new):
+      grads = fp8.flag_overflow(grads, new, before)
     updates = super().update(model, grads, **kwargs)
-    applied = state_lib.update_applied(before, nnx.as_pure(self.opt_state))
+    after = nnx.as_pure(self.opt_state)
+    applied = state_lib.update_applied(before, after)
+    self._overwrite_fp8(model, grads, applied, after)
     top = jnp.asarray(jnp.iinfo(step.dtype).max, step.dtype)
     advanced = jnp.where(step < top, step + jnp.ones([], step.dtype), step)
     self.step[...] = jnp.where(applied, advanced, step).astype(step.dtype)
     return updates
+
+  def _overwrite_fp8(self, model: Any, grads: Any, applied: jax.Array, after: Any) -> None:
+    """Writes the fp8 values of ``grads`` into ``model`` where the step was applied."""
+    new = nnx.as_pure(nnx.state(grads, OverwriteWithGradient))
+    if not jax.tree.leaves(new):
+      return
+    old = nnx.as_pure(nnx.state(model, OverwriteWithGradient))
+    combined = new
+    if self.fp8_window is not None:
+      window = nnx.as_pure(self.fp8_window)
+      combined = jax.tree.map(lambda w, n: jnp.maximum(w, n.astype(w.dtype)), window, new)
+      kept = fp8.select(fp8.window_closed(after), fp8.empty_window(window), combined)
+      jax.tree.map(lambda var, value: var.set_value(value), self.fp8_window, kept,
+                   is_leaf=lambda x: isinstance(x, nnx.Variable))
+    nnx.update(model, fp8.select(fp8.written(applied, combined), combined, old))
 
   @property
   def loss_scale(self) -> jax.Array:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp._src import fp8
 from jaxamp._src import state as state_lib
 from jaxamp._src import validation
 
@@ -37,6 +38,12 @@ class TrainState:
   checks, skips or steps. Without a loss-scale state in ``tx`` the scale is
   1.0 and nothing is skipped, so the same step function runs with and without
   loss scaling.
+
+  With Flax's fp8 layers (``flax.linen.fp8_ops``) pass the whole variable
+  dict as ``params``: as in Flax's ``TrainState``, the collection
+  ``'_overwrite_with_gradient'`` is kept from ``tx`` and overwritten with
+  the values the backward pass returned, and only where the step is applied
+  (see :func:`overwrite_with_gradient`, which ``tx`` is wrapped in then).
 
   ``apply_fn`` and ``tx`` are static (part of the tree structure); the other
   fields are pytree data. To add fields (``batch_stats`` for BatchNorm, say),
@@ -96,7 +103,8 @@ class TrainState:
     Args:
       apply_fn: the model's apply function.
       params: the (float32) parameters; a Linen ``{'params': ...}`` dict is
-        not unwrapped, pass ``variables['params']``.
+        not unwrapped, pass ``variables['params']``, or the whole variable
+        dict for a model with fp8 layers.
       tx: the optax transformation.
       **kwargs: values of the fields a subclass adds.
 
@@ -110,7 +118,7 @@ class TrainState:
       raise TypeError(f"tx must be an optax GradientTransformation, got {tx!r}")
     _make_pytree(cls)
     return cls(step=jnp.zeros([], jnp.int32), apply_fn=apply_fn, params=params, tx=tx,
-               opt_state=tx.init(params), **kwargs)
+               opt_state=_with_fp8(tx, params).init(params), **kwargs)
 
   def value_and_grad(self, fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False,
                      axis_name: Any = None) -> Callable[..., tuple[Any, Any]]:
@@ -135,7 +143,7 @@ class TrainState:
     def wrapped(*args: Any) -> tuple[Any, Any]:
       grads, (loss, aux) = grad_fn(*args)
       if axis_name is not None:
-        grads = jax.lax.pmean(grads, axis_name)
+        grads = fp8.pmean(grads, axis_name)
       return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
@@ -153,8 +161,9 @@ class TrainState:
     Returns:
       The new state.
     """
-    updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
-    params = optax.apply_updates(self.params, updates)
+    updates, opt_state = _with_fp8(self.tx, self.params).update(grads, self.opt_state,
+                                                                 self.params)
+    params = fp8.apply_updates(self.params, updates)
     applied = state_lib.update_applied(self.opt_state, opt_state)
     step = jnp.where(applied, optax.safe_increment(self.step), self.step)
     return self.replace(step=step.astype(self.step.dtype), params=params, opt_state=opt_state,
@@ -181,6 +190,11 @@ class TrainState:
   def skipped_steps(self) -> jax.Array:
     """Optimizer steps skipped so far for non-finite gradients (see :func:`skipped_steps`)."""
     return state_lib.skipped_steps(self.opt_state)
+
+
+def _with_fp8(tx: optax.GradientTransformation, params: Any) -> optax.GradientTransformation:
+  """``tx``, wrapped in :func:`overwrite_with_gradient` when ``params`` hold Flax's fp8 state."""
+  return fp8.overwrite_with_gradient(tx) if fp8.holds_fp8(params) else tx
 
 
 def _make_pytree(cls: type) -> None:

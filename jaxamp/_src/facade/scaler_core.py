@@ -46,6 +46,7 @@ import optax
 import numpy as np
 
 from jaxamp._src import finite
+from jaxamp._src import fp8
 from jaxamp._src import loss_scale
 from jaxamp._src import validation
 from jaxamp._src.facade import stall
@@ -181,8 +182,12 @@ class StageBook:
 
 
 def _unscale_and_check_impl(grads: Any, scale: jax.Array) -> tuple[Any, jax.Array]:
+  grads, values = fp8.split(grads)  # Flax's fp8 values: not unscaled; inf only when overflowed
   unscaled = finite.unscale(grads, scale)
-  return unscaled, jnp.logical_not(finite.all_finite(unscaled))
+  found_inf = jnp.logical_not(finite.all_finite(unscaled))
+  if values is not None:
+    found_inf = jnp.logical_or(found_inf, jnp.logical_not(finite.all_finite(values)))
+  return fp8.merge(unscaled, values), found_inf
 
 
 _unscale_and_check = jax.jit(_unscale_and_check_impl)

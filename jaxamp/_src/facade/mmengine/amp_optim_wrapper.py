@@ -20,6 +20,7 @@ import optax
 from jax import lax
 
 from jaxamp._src import finite
+from jaxamp._src import fp8
 from jaxamp._src import state as state_lib
 from jaxamp._src import autocast as autocast_lib
 from jaxamp._src import clipping
@@ -257,6 +258,8 @@ class AmpOptimWrapper(OptimWrapper):
     if not self._scaling:
       return super()._update(params, state, grads, skip)
     grads = sharding_pins.constrain(grads, self._shardings)
+    (params, old_fp8), (grads, new_fp8) = fp8.split(params), fp8.split(grads)
+    grads = fp8.flag_overflow(grads, new_fp8, state)
     updates, new_state = self._tx.update(grads, state, params)
     new_params = optax.apply_updates(params, updates)
     # A skipped step leaves the params bit-identical (even -0.0, which + 0 would turn to 0.0).
@@ -272,9 +275,12 @@ class AmpOptimWrapper(OptimWrapper):
           new_state.skipped,
           lambda: clipping.total_grad_norm(finite.unscale(grads, state.scale), order),
           lambda: recorded)
+    applied = jnp.logical_not(new_state.skipped)
     if skip is not None:
       new_params = optax.tree.where(skip, params, new_params)
       new_state = optax.tree.where(skip, state, new_state)
+      applied = jnp.logical_and(applied, jnp.logical_not(skip))
+    new_params = fp8.overwrite(new_params, old_fp8, new_fp8, applied)
     return sharding_pins.constrain(new_params, self._shardings), new_state, norm
 
   def _cast_fn(self) -> Callable[[Any], Any]:

@@ -24,6 +24,7 @@ import optax
 
 from jaxamp._src import state as state_lib
 from jaxamp._src import finite
+from jaxamp._src import fp8
 from jaxamp._src import selective_update
 from jaxamp._src import clipping
 from jaxamp._src import outside
@@ -244,7 +245,8 @@ class OptimWrapper:
   # -- the transformation and its state ---------------------------------------------------------
 
   def _init_state(self, params: Any) -> Any:
-    return sharding_pins.replicate_scalars(self._tx.init(params), params)
+    # Flax's fp8 state is overwritten by the step, never given to the optimizer (fp8.py).
+    return sharding_pins.replicate_scalars(self._tx.init(fp8.split(params)[0]), params)
 
   def _inner_transformation(self) -> optax.GradientTransformation:
     if self._clip is None:
@@ -360,12 +362,13 @@ class OptimWrapper:
     out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
     if buffer is not None:
       # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
-      grads = jax.tree.map(lambda b, g: b + finite.as_stored(g), buffer, grads)
+      grads = fp8.accumulate(buffer, grads, lambda b, g: b + finite.as_stored(g))
     return out, sharding_pins.constrain(grads, self._shardings)
 
   def _update(self, params, state, grads, skip):
     """Traced: one optimizer step. Returns ``(params, state, grad_norm)``."""
     grads = sharding_pins.constrain(grads, self._shardings)
+    (params, old_fp8), (grads, new_fp8) = fp8.split(params), fp8.split(grads)
     if skip is None:
       updates, new_state = self._tx.update(grads, state, params)
     else:
@@ -378,6 +381,10 @@ class OptimWrapper:
         _, clip_state = self._clip.transformation().update(grads, self._inner_of(state)[0], params)
         new_state = self._with_inner(new_state, (clip_state, self._opt_of(new_state)))
     new_params = optax.apply_updates(params, updates)
+    applied = state_lib.update_applied(state, new_state)
+    if skip is not None:
+      applied = jnp.logical_and(applied, jnp.logical_not(skip))
+    new_params = fp8.overwrite(new_params, old_fp8, new_fp8, applied)
     norm = None
     if self._clip is not None and self._clip.kind == "norm":
       norm = self._inner_of(new_state)[0].total_norm
@@ -388,9 +395,12 @@ class OptimWrapper:
     return self._update(params, state, grads, skip)
 
   def _apply_scaled_impl(self, name, params, state, grads, scale):
+    grads, values = fp8.split(grads)  # Flax's fp8 values: not unscaled; inf only when overflowed
     found_inf = jnp.logical_not(finite.unscaled_all_finite(grads, scale))
-    params, state, norm = self._apply_impl(name, params, state, finite.unscale(grads, scale),
-                                           found_inf)
+    if values is not None:
+      found_inf = jnp.logical_or(found_inf, jnp.logical_not(finite.all_finite(values)))
+    params, state, norm = self._apply_impl(
+        name, params, state, fp8.merge(finite.unscale(grads, scale), values), found_inf)
     return params, state, norm, found_inf
 
   def _fused_impl(self, name, params, state, buffer, dynamic, factor, spec):
@@ -399,7 +409,7 @@ class OptimWrapper:
     out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
     if buffer is not None:
       # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
-      grads = jax.tree.map(lambda b, g: b + finite.as_stored(g), buffer, grads)
+      grads = fp8.accumulate(buffer, grads, lambda b, g: b + finite.as_stored(g))
     new_params, new_state, norm = self._update(params, state, grads, None)
     return out, new_params, new_state, norm
 
