@@ -65,7 +65,8 @@ class Optimizer(nnx.Optimizer):
     """
     step = self.step[...]
     before = nnx.as_pure(self.opt_state)
-    updates = super().update(model, grads, **kwargs)
+    with state_lib.promotion_for_updates(before):
+      updates = super().update(model, grads, **kwargs)
     applied = state_lib.update_applied(before, nnx.as_pure(self.opt_state))
     top = jnp.asarray(jnp.iinfo(step.dtype).max, step.dtype)
     advanced = jnp.where(step < top, step + jnp.ones([], step.dtype), step)

@@ -14,6 +14,7 @@ the gradients, without knowing its type.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import jax
@@ -166,6 +167,19 @@ def skips_nonfinite_steps(opt_state: optax.OptState) -> bool:
   as :class:`LossScaleState` is. A static (trace-time) answer.
   """
   return any(_declares_skipping(n) for n in jax.tree.leaves(opt_state, is_leaf=_declares_skipping))
+
+
+def promotion_for_updates(opt_state: optax.OptState) -> Any:
+  """A context for ``optax.apply_updates``: standard dtype promotion where the updates need it.
+
+  :func:`jaxamp.low_precision_params` returns float32 updates for bfloat16
+  parameters, which ``optax.apply_updates`` adds under standard promotion
+  (strict promotion refuses the sum); without a :class:`LowPrecisionState`
+  in ``opt_state`` the configured promotion is kept.
+  """
+  if find_states(opt_state, LowPrecisionState):
+    return jax.numpy_dtype_promotion("standard")
+  return contextlib.nullcontext()
 
 
 def get_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
