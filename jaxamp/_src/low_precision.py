@@ -250,7 +250,7 @@ def low_precision_params(
     views = jax.tree.map(lambda x: jnp.asarray(x).astype(state_dtype) if _is_low(x) else x,
                          params)
     key = jax.random.key_data(jax.random.key(seed, impl=_KEY_IMPL)).astype(jnp.uint32)
-    compensation = ([jnp.zeros(x.shape, jnp.int16) for x in low] if rounding == "kahan"
+    compensation = ([jnp.zeros_like(x, dtype=jnp.int16) for x in low] if rounding == "kahan"
                     else [])
     return LowPrecisionState(key=key, compensation=compensation,
                              stale_fraction=jnp.zeros([len(low)], jnp.float32),
