@@ -69,23 +69,49 @@ def round_nearest(x: jax.Array) -> jax.Array:
   return x.astype(_LOW)
 
 
+def _mix32(x: jax.Array) -> jax.Array:
+  """The lowbias32 integer hash (xor-shift, multiply; a bijection of uint32)."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def random_bits16(key: jax.Array, shape: tuple) -> jax.Array:
+  """uint32 array of ``shape`` with 16 random bits per element (the high bits of a keyed hash).
+
+  Counter-based: element ``i`` (its row-major index) gets the high 16 bits of
+  ``mix(mix(i ^ k0) + k1)``, with ``k0, k1`` the two words of the raw
+  threefry ``key`` and ``mix`` the lowbias32 hash. The bits depend on the key
+  and the index only: the same under any sharding and on every device. (A
+  few integer operations per element, where threefry's random bits cost
+  several times more.)
+  """
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for dim in reversed(range(len(shape))):
+    index = index + lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride % 2**32)
+    stride *= shape[dim]
+  return _mix32(_mix32(index ^ key[0]) + key[1]) >> 16
+
+
 def round_stochastic(x: jax.Array, key: jax.Array) -> jax.Array:
   """float32 to bfloat16, stochastically: adds 16 random bits below the kept ones, then truncates.
 
   The float32 bit pattern ``b`` (sign, 8 exponent bits, 23 mantissa bits) gets
-  a uniform integer ``r`` in ``[0, 2**16)`` added to it as an unsigned integer,
-  and the low 16 bits of the sum are cleared; the result is a bfloat16 value.
-  The magnitude therefore rounds away from zero with probability
-  ``(b mod 2**16) / 2**16``, its distance to the lower neighbour in units of
-  the bfloat16 spacing, and toward zero otherwise: the expectation is ``x``
-  (unbiased), across binades and subnormals alike (the carry walks into the
-  exponent). Infinities stay infinities; a value whose rounding away from
-  zero passes the largest bfloat16 becomes ``inf`` with that probability;
-  NaN stays NaN.
+  a uniform integer ``r`` in ``[0, 2**16)`` (:func:`random_bits16` of the raw
+  ``key``) added to it as an unsigned integer, and the low 16 bits of the sum
+  are cleared; the result is a bfloat16 value. The magnitude therefore rounds
+  away from zero with probability ``(b mod 2**16) / 2**16``, its distance to
+  the lower neighbour in units of the bfloat16 spacing, and toward zero
+  otherwise: the expectation is ``x`` (unbiased), across binades and
+  subnormals alike (the carry walks into the exponent). Infinities stay
+  infinities; a value whose rounding away from zero passes the largest
+  bfloat16 becomes ``inf`` with that probability; NaN stays NaN.
   """
   bits = lax.bitcast_convert_type(x, jnp.uint32)
-  noise = jax.random.bits(key, x.shape, jnp.uint16).astype(jnp.uint32)
-  kept = (bits + noise) & jnp.uint32(0xFFFF0000)
+  kept = (bits + random_bits16(key, x.shape)) & jnp.uint32(0xFFFF0000)
   rounded = lax.bitcast_convert_type(kept, jnp.float32).astype(_LOW)  # exact: 16 low bits clear
   return jnp.where(jnp.isnan(x), round_nearest(x), rounded)
 
@@ -158,7 +184,8 @@ def low_precision_params(
     ``new`` is the upper or the lower neighbour with probabilities that make
     it unbiased, ``E[new] = p + u``. The key in the state is split once per
     step and folded with each leaf's index, so the same ``seed`` gives the
-    same bits on any number of devices and under any sharding.
+    same bits on any number of devices and under any sharding. The random
+    bits are a keyed hash of each element's index (:func:`random_bits16`).
   - ``"kahan"``: a 16-bit compensation buffer ``c`` per leaf keeps what
     rounding dropped and adds it back at the next step::
 
@@ -297,7 +324,7 @@ def low_precision_params(
       if rounding == "nearest":
         new = nearest
       elif rounding == "stochastic":
-        new = round_stochastic(total, jax.random.fold_in(step_key, j))
+        new = round_stochastic(total, jax.random.key_data(jax.random.fold_in(step_key, j)))
       else:
         y = u32 + decode_compensation(state.compensation[j], p)
         new = round_nearest(p32 + y)
