@@ -72,12 +72,12 @@ def make_step(tx, loss):
 
 
 def train_curves(steps: int, d: int = 128, layers: int = 2, vocab: int = 256, batch: int = 8,
-                 length: int = 33, lr: float = 5e-4) -> dict:
-  """The per-step training losses of every configuration (numpy arrays)."""
+                 length: int = 33, lr: float = 5e-4, configs=CONFIGS) -> dict:
+  """The per-step training losses of each configuration in ``configs`` (numpy arrays)."""
   params32 = make_lm(vocab=vocab, d=d, layers=layers)
   corpus = bigram_corpus(vocab, steps, batch, length)
   curves = {}
-  for name in CONFIGS:
+  for name in configs:
     params, tx, loss = configuration(name, params32, lr)
     step = make_step(tx, loss)
 
