@@ -152,6 +152,15 @@ def exact_update(p32: jax.Array, new32: jax.Array) -> jax.Array:
   return jnp.where(new32 == p32, jnp.float32(-0.0), new32 - p32)
 
 
+def _leaves_like(treedef: Any, tree: Any, what: str) -> list:
+  """The leaves of ``tree``, which must have the structure ``treedef`` (the parameters')."""
+  leaves, structure = jax.tree.flatten(tree)
+  if structure != treedef:
+    raise ValueError(f"{what} must have the structure of the parameters: got {structure}, "
+                     f"expected {treedef}")
+  return leaves
+
+
 def _upcast(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.astype(jnp.float32) if _is_low(x) else x, tree)
 
@@ -259,8 +268,10 @@ def low_precision_params(
     >>> run("nearest")[0]
     Array([1, 1, 1, 1], dtype=bfloat16)
     >>> w, state = run("kahan")
-    >>> w, w.astype(jnp.float32) + jaxamp.decode_compensation(state.compensation[0], w)
-    (Array([1.00781, 1.00781, 1.00781, 1.00781], dtype=bfloat16), Array([1.0100017, 1.0100017, 1.0100017, 1.0100017], dtype=float32))
+    >>> w
+    Array([1.00781, 1.00781, 1.00781, 1.00781], dtype=bfloat16)
+    >>> w.astype(jnp.float32) + jaxamp.decode_compensation(state.compensation[0], w)
+    Array([1.0100017, 1.0100017, 1.0100017, 1.0100017], dtype=float32)
     >>> state.stale_fraction  # round-to-nearest would have lost every element
     Array([1.], dtype=float32)
   """
@@ -283,7 +294,7 @@ def low_precision_params(
                              stale_fraction=jnp.zeros([len(low)], jnp.float32),
                              inner_state=inner.init(views))
 
-  def update_fn(updates: optax.Updates, state: LowPrecisionState,
+  def update_fn(updates: optax.Updates, state: Any,
                 params: Optional[optax.Params] = None, **extra_args: Any
                 ) -> tuple[optax.Updates, LowPrecisionState]:
     if params is None:
@@ -291,7 +302,7 @@ def low_precision_params(
                        "tx.update(grads, state, params)")
     _check_leaves(params, "params")
     p_leaves, treedef = jax.tree.flatten(params)
-    g_leaves = treedef.flatten_up_to(updates)
+    g_leaves = _leaves_like(treedef, updates, "the gradients")
     is_low = [_is_low(p) for p in p_leaves]
     if sum(is_low) != state.stale_fraction.shape[0]:
       raise ValueError(f"params have {sum(is_low)} bfloat16 leaves, the params the state was "
@@ -301,10 +312,10 @@ def low_precision_params(
     g_views = [jnp.asarray(g).astype(jnp.float32) if low else g
                for g, low in zip(g_leaves, is_low)]
     inner_state = _upcast(state.inner_state) if store_low else state.inner_state
-    inner_updates, new_inner = inner.update(treedef.unflatten(g_views), inner_state,
-                                            treedef.unflatten(p_views), **extra_args)
+    inner_updates, new_inner = inner.update(jax.tree.unflatten(treedef, g_views), inner_state,
+                                            jax.tree.unflatten(treedef, p_views), **extra_args)
     new_inner = _like(new_inner, state.inner_state)
-    u_leaves = treedef.flatten_up_to(inner_updates)
+    u_leaves = _leaves_like(treedef, inner_updates, "the inner updates")
 
     key = state.key
     if rounding == "stochastic":
@@ -332,7 +343,7 @@ def low_precision_params(
       out.append(exact_update(p32, new.astype(jnp.float32)))
       j += 1
     stale_fraction = (jnp.stack(stale) if stale else jnp.zeros([0], jnp.float32))
-    return treedef.unflatten(out), LowPrecisionState(
+    return jax.tree.unflatten(treedef, out), LowPrecisionState(
         key=key.astype(jnp.uint32), compensation=compensation,
         stale_fraction=stale_fraction.astype(jnp.float32), inner_state=new_inner)
 
