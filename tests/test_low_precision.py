@@ -470,3 +470,40 @@ def test_compiles_once_and_survives_scan(rounding, count_traces):
   assert all(jax.tree.leaves(same))
 
 
+
+
+# --- facade: optimi's kahan_sum in an mmengine-style optimizer config ---------------------------
+
+def _wrapper_run(kahan_sum, wrapper="OptimWrapper"):
+  params = {"w": jnp.ones((2, 2), BF16)}
+  cfg = dict(type=wrapper, optimizer=dict(type="AdamW", lr=1e-4, weight_decay=0.0,
+                                          kahan_sum=kahan_sum))
+  w = jaxamp.build_optim_wrapper(params, cfg)
+
+  def loss_fn(p, x):
+    return jnp.sum(p["w"].astype(jnp.float32) * x)
+
+  for _ in range(5):
+    w.update_params(loss_fn, jnp.ones((2, 2)))
+  return w
+
+
+@pytest.mark.parametrize("wrapper", ["OptimWrapper", "AmpOptimWrapper"])
+def test_kahan_sum_in_the_optimizer_config_keeps_updates_that_bfloat16_loses(wrapper):
+  with standard():
+    plain = _wrapper_run(False, wrapper)
+    kahan = _wrapper_run(True, wrapper)
+  # Adam's steps of 1e-4 are below half a bfloat16 spacing of 1.0: lost without compensation.
+  assert (np.asarray(plain.params["w"], np.float32) == 1.0).all()
+  (low,) = [n for n in jax.tree.leaves(kahan.opt_state, is_leaf=lambda n: isinstance(
+      n, jaxamp.LowPrecisionState)) if isinstance(n, jaxamp.LowPrecisionState)]
+  w = kahan.params["w"]
+  assert w.dtype == BF16
+  total = np.asarray(w, np.float32) + np.asarray(jaxamp.decode_compensation(low.compensation[0], w))
+  np.testing.assert_allclose(total, 1.0 - 5e-4, rtol=1e-5)
+
+
+def test_kahan_sum_must_be_a_bool():
+  with pytest.raises(TypeError, match="kahan_sum must be a bool"):
+    jaxamp.build_optim_wrapper({"w": jnp.ones(2, BF16)},
+                               dict(type="OptimWrapper", optimizer=dict(type="AdamW", kahan_sum=1)))
