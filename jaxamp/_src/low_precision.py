@@ -194,7 +194,7 @@ def low_precision_params(
     it unbiased, ``E[new] = p + u``. The key in the state is split once per
     step and folded with each leaf's index, so the same ``seed`` gives the
     same bits on any number of devices and under any sharding. The random
-    bits are a keyed hash of each element's index (:func:`random_bits16`).
+    bits are a keyed integer hash of each element's index (lowbias32).
   - ``"kahan"``: a 16-bit compensation buffer ``c`` per leaf keeps what
     rounding dropped and adds it back at the next step::
 
