@@ -5,8 +5,12 @@ rounded sum (checked against numpy's float32 addition and ml_dtypes' rounding
 over bit patterns); the roundings must do what they promise over many steps
 (drift, convergence); and the transformation must compose with the loss
 scaler, accumulation, micro-batching, clipping, TrainState and nnx.Optimizer.
+
+The property test over bit patterns runs 40 derandomized examples; with
+``HYPOTHESIS_PROFILE=soundness-long`` it runs 1000 random ones.
 """
 
+import os
 
 import hypothesis
 import hypothesis.strategies as st
@@ -150,7 +154,11 @@ def test_nearest_is_exact_for_every_bfloat16_parameter_and_ratio():
   assert ok.all(), (p_all[~ok][:5], u_all[~ok][:5], np.asarray(new["w"])[~ok][:5], want[~ok][:5])
 
 
-@hypothesis.settings(max_examples=40, derandomize=True, deadline=None)
+LONG = os.environ.get("HYPOTHESIS_PROFILE") == "soundness-long"
+
+
+@hypothesis.settings(max_examples=1000 if LONG else 40, derandomize=not LONG, deadline=None,
+                     database=None)
 @hypothesis.given(st.lists(st.tuples(st.integers(0, 2**16 - 1), st.integers(0, 2**32 - 1)),
                            min_size=64, max_size=64))
 def test_updates_give_the_rounded_sum_exactly_over_bit_patterns(pairs):
