@@ -16,6 +16,8 @@ from jaxamp._src.facade.torch import GradScaler
 from jaxamp._src.facade.torch import clip_grad_norm_
 from jaxamp._src.loss_scale import dynamic_loss_scale
 from jaxamp._src.loss_scale import static_loss_scale
+from jaxamp._src.low_precision import decode_compensation
+from jaxamp._src.low_precision import low_precision_params
 from jaxamp._src.microbatch import microbatch_value_and_grad
 from jaxamp._src.outside import validate_opt_state
 from jaxamp._src.finite import all_finite
@@ -31,6 +33,7 @@ from jaxamp._src.state import DEFAULT_MIN_SCALE
 from jaxamp._src.state import AccumulationState
 from jaxamp._src.state import ClipGradNormState
 from jaxamp._src.state import LossScaleState
+from jaxamp._src.state import LowPrecisionState
 from jaxamp._src.state import get_accumulation_state
 from jaxamp._src.state import get_loss_scale
 from jaxamp._src.state import get_loss_scale_state
@@ -39,6 +42,7 @@ from jaxamp._src.state import scale_loss
 from jaxamp._src.state import set_loss_scale
 from jaxamp._src.state import skip_report
 from jaxamp._src.state import skipped_steps
+from jaxamp._src.state import stale_report
 from jaxamp._src.state import stalled
 from jaxamp._src.state import step_metrics
 from jaxamp._src.state import update_applied
@@ -56,6 +60,7 @@ __all__ = (
     "DEFAULT_MIN_SCALE",
     "GradScaler",
     "LossScaleState",
+    "LowPrecisionState",
     "OptimWrapper",
     "OptimWrapperDict",
     "OverwriteWithGradientState",
@@ -71,11 +76,13 @@ __all__ = (
     "clip_grad_norm",
     "clip_grad_norm_",
     "clip_grad_value",
+    "decode_compensation",
     "dynamic_loss_scale",
     "get_accumulation_state",
     "get_loss_scale",
     "get_loss_scale_state",
     "get_policy",
+    "low_precision_params",
     "has_updated",
     "microbatch_value_and_grad",
     "mixed_precision",
@@ -86,6 +93,7 @@ __all__ = (
     "set_loss_scale",
     "skip_report",
     "skipped_steps",
+    "stale_report",
     "stalled",
     "static_loss_scale",
     "step_metrics",

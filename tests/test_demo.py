@@ -154,3 +154,17 @@ def test_the_plot_marks_a_stall(demo_run, tmp_path, monkeypatch):
                       real(self, a, b, **kw))
   plot_lib.plot_training(metrics, str(tmp_path / "plot.png"))
   assert (181, 200, "stalled: every step skipped") in spans
+
+
+def test_demo_trains_bfloat16_params_without_a_master(tmp_path):
+  stdout = io.StringIO()
+  args = ["--steps", "40", "--accumulate", "1", "--batch-size", "32", "--width", "32", "--depth",
+          "1", "--classes", "3", "--train-size", "500", "--eval-size", "100", "--no-plot",
+          "--quiet", "--params", "bfloat16", "--rounding", "kahan", "--out", str(tmp_path)]
+  assert run_demo(args, stdout=stdout, stderr=io.StringIO()) == 0
+  with open(tmp_path / "metrics.json", encoding="utf-8") as f:
+    metrics = json.load(f)
+  assert metrics["model"]["param_dtype"] == "bfloat16"
+  assert 0.0 <= metrics["summary"]["stale_fraction"] <= 1.0
+  assert metrics["summary"]["final_loss"] < metrics["summary"]["initial_loss"]
+  assert "bfloat16 parameters (kahan rounding, no master copy" in stdout.getvalue()

@@ -148,3 +148,14 @@ def test_an_example_runs_as_a_script():
           [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])))
   assert proc.returncode == 0, proc.stderr
   assert "iteration    2" in proc.stdout and "scaler.state_dict()" in proc.stdout
+
+
+def test_bfloat16_params_roundings_against_the_master():
+  out = run_example("bfloat16_params", "--steps", "80", "--lr", "3e-4", "--batch-size", "32")
+  master = out["master"]["final_loss"]
+  assert out["kahan"]["final_loss"] <= 1.05 * master
+  assert out["stochastic"]["final_loss"] <= 1.1 * master
+  assert out["nearest"]["final_loss"] > out["kahan"]["final_loss"]
+  assert out["kahan"]["stale_fraction"] > 0.5  # nearest rounding would lose most updates
+  assert round(out["master"]["bytes_per_param"]) == 16  # params, m, v, gradients (+ a counter)
+  assert round(out["stochastic"]["bytes_per_param"]) == 12

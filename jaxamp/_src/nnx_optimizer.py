@@ -98,7 +98,8 @@ class Optimizer(nnx.Optimizer):
     new = nnx.as_pure(nnx.state(grads, OverwriteWithGradient))
     if jax.tree.leaves(new):
       grads = fp8.flag_overflow(grads, new, before)
-    updates = super().update(model, grads, **kwargs)
+    with state_lib.promotion_for_updates(before):
+      updates = super().update(model, grads, **kwargs)
     after = nnx.as_pure(self.opt_state)
     applied = state_lib.update_applied(before, after)
     self._overwrite_fp8(model, grads, applied, after)

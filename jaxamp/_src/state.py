@@ -14,6 +14,7 @@ the gradients, without knowing its type.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import jax
@@ -113,6 +114,33 @@ class AccumulationState(NamedTuple):
   inner_state: optax.OptState
 
 
+class LowPrecisionState(NamedTuple):
+  """State of :func:`jaxamp.low_precision_params`.
+
+  Attributes:
+    key: uint32 ``[2]``, the raw threefry key of stochastic rounding; split
+      once per applied step (unused by the other roundings, which keep the
+      seed's key unchanged).
+    compensation: a list with one int16 array per bfloat16 parameter leaf
+      (in tree order), shaped like it, for ``rounding="kahan"``: what the
+      parameter could not hold after the last step, in units of float32's
+      spacing at the parameter's binade (:func:`jaxamp.decode_compensation`
+      gives it as float32). An empty list otherwise.
+    stale_fraction: float32 vector with one entry per bfloat16 parameter
+      leaf (in tree order): in the last step, the fraction of the leaf's
+      elements whose update ``u`` was not zero but would have been lost
+      entirely by round-to-nearest (``bfloat16(p + u) == p``), whatever the
+      rounding in use. See :func:`stale_report`.
+    inner_state: the state of the wrapped transformation; its moments for
+      bfloat16 leaves are stored in ``state_dtype``.
+  """
+
+  key: jax.Array
+  compensation: list
+  stale_fraction: jax.Array
+  inner_state: optax.OptState
+
+
 def find_states(opt_state: optax.OptState, cls: type) -> list[Any]:
   """Every node of type ``cls`` inside ``opt_state``, outermost first."""
   return [n for n in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, cls))
@@ -139,6 +167,19 @@ def skips_nonfinite_steps(opt_state: optax.OptState) -> bool:
   as :class:`LossScaleState` is. A static (trace-time) answer.
   """
   return any(_declares_skipping(n) for n in jax.tree.leaves(opt_state, is_leaf=_declares_skipping))
+
+
+def promotion_for_updates(opt_state: optax.OptState) -> Any:
+  """A context for ``optax.apply_updates``: standard dtype promotion where the updates need it.
+
+  :func:`jaxamp.low_precision_params` returns float32 updates for bfloat16
+  parameters, which ``optax.apply_updates`` adds under standard promotion
+  (strict promotion refuses the sum); without a :class:`LowPrecisionState`
+  in ``opt_state`` the configured promotion is kept.
+  """
+  if find_states(opt_state, LowPrecisionState):
+    return jax.numpy_dtype_promotion("standard")
+  return contextlib.nullcontext()
 
 
 def get_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
@@ -474,12 +515,18 @@ def step_metrics(source: Any) -> dict[str, jax.Array]:
   ``loss_scale``, ``skipped`` (the last update), ``skipped_steps`` (as
   :func:`skipped_steps` counts them), ``skip_streak``, ``stalled`` and, when a
   :func:`clip_grad_norm` inside recorded one, ``grad_norm`` (before clipping).
+  With :func:`jaxamp.low_precision_params` inside, also ``stale_fraction``
+  (the mean over bfloat16 leaves of the fraction of elements whose last
+  update round-to-nearest would have lost, see :func:`stale_report`) and
+  ``stale_fraction_per_leaf`` (one entry per bfloat16 leaf, in tree order);
+  the loss-scaling entries are then present only when a loss scaler is.
   Hand the dict to a logger after one ``jax.device_get`` (the values are then
   numpy scalars), for example ``wandb.log(jax.device_get(m), step=step)`` or
   ``for k, v in jax.device_get(m).items(): writer.add_scalar(k, v, step)``.
 
   Raises:
-    ValueError: when ``source`` holds no loss-scale state.
+    ValueError: when ``source`` holds neither a loss-scale state nor a
+      low-precision state.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
@@ -492,14 +539,60 @@ def step_metrics(source: Any) -> dict[str, jax.Array]:
   if callable(method):
     return method()
   opt_state = source
-  node = get_loss_scale_state(opt_state)
-  metrics = {"loss_scale": node.scale, "skipped": node.skipped,
-             "skipped_steps": skipped_steps(opt_state), "skip_streak": node.skip_streak,
-             "stalled": node.stalled}
+  lows = find_states(opt_state, LowPrecisionState)
+  metrics: dict[str, jax.Array] = {}
+  if not lows or find_states(opt_state, LossScaleState):
+    node = get_loss_scale_state(opt_state)
+    metrics.update({"loss_scale": node.scale, "skipped": node.skipped,
+                    "skipped_steps": skipped_steps(opt_state), "skip_streak": node.skip_streak,
+                    "stalled": node.stalled})
   clips = find_states(opt_state, ClipGradNormState)
   if clips:
     metrics["grad_norm"] = clips[0].total_norm
+  if lows:
+    per_leaf = jnp.asarray(lows[0].stale_fraction, jnp.float32)
+    metrics["stale_fraction"] = (jnp.mean(per_leaf) if per_leaf.size
+                                 else jnp.zeros([], jnp.float32))
+    metrics["stale_fraction_per_leaf"] = per_leaf
   return metrics
+
+
+def stale_report(opt_state: optax.OptState, params: Any) -> dict[str, float]:
+  """Per bfloat16 leaf, the fraction of the last update that round-to-nearest would have lost.
+
+  Reads the :class:`LowPrecisionState` of :func:`jaxamp.low_precision_params`
+  (the outermost one in ``opt_state``): for each bfloat16 leaf of ``params``,
+  by path as ``jax.tree_util.keystr`` writes it, the fraction of its elements
+  whose update was not zero but smaller than what bfloat16 can add to the
+  parameter (``bfloat16(p + u) == p``). Near 0 everywhere, plain bfloat16
+  training would do; a large fraction says the updates of that leaf stall
+  without stochastic or Kahan rounding. A host sync.
+
+  Raises:
+    ValueError: when ``opt_state`` holds no low-precision state, or
+      ``params`` has not as many bfloat16 leaves as it was built for.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> params = {'big': jnp.ones(2, jnp.bfloat16), 'f32': jnp.ones(2)}
+    >>> tx = jaxamp.low_precision_params(optax.sgd(1e-3), "kahan")
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({'big': jnp.ones(2, jnp.bfloat16), 'f32': jnp.ones(2)}, state, params)
+    >>> jaxamp.stale_report(state, params)
+    {"['big']": 1.0}
+  """
+  lows = find_states(opt_state, LowPrecisionState)
+  if not lows:
+    raise ValueError(
+        "No low-precision state found in the optimizer state (of type "
+        f"{type(opt_state).__name__}). Build the optimizer with jaxamp.low_precision_params(...).")
+  paths = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+           if jnp.result_type(leaf) == jnp.bfloat16]
+  fractions = jax.device_get(lows[0].stale_fraction)
+  if len(paths) != len(fractions):
+    raise ValueError(f"params has {len(paths)} bfloat16 leaves, but the low-precision state "
+                     f"counts {len(fractions)}: pass the params the optimizer was initialised with")
+  return {p: float(f) for p, f in zip(paths, fractions)}
 
 
 def upgrade_opt_state(restored: Any, template: optax.OptState) -> optax.OptState:

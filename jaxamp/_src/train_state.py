@@ -163,7 +163,8 @@ class TrainState:
     """
     updates, opt_state = _with_fp8(self.tx, self.params).update(grads, self.opt_state,
                                                                  self.params)
-    params = fp8.apply_updates(self.params, updates)
+    with state_lib.promotion_for_updates(opt_state):
+      params = fp8.apply_updates(self.params, updates)
     applied = state_lib.update_applied(self.opt_state, opt_state)
     step = jnp.where(applied, optax.safe_increment(self.step), self.step)
     return self.replace(step=step.astype(self.step.dtype), params=params, opt_state=opt_state,

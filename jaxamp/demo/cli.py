@@ -52,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="micro-batches accumulated per optimizer step (1 disables accumulation)")
   add("--batch-size", type=int, default=_DEFAULTS.batch_size, help="examples per micro-batch")
   add("--dtype", choices=sorted(train_lib.DTYPES), default=_DEFAULTS.dtype,
-      help="compute dtype (parameters and optimizer state stay float32)")
+      help="compute dtype (the optimizer state stays float32)")
+  add("--params", choices=sorted(train_lib.PARAM_DTYPES), default=_DEFAULTS.params,
+      help="parameter dtype: float32 (a master copy) or bfloat16 (no master copy)")
+  add("--rounding", choices=train_lib.ROUNDINGS, default=_DEFAULTS.rounding,
+      help="how bfloat16 parameters are updated (with --params bfloat16)")
   add("--no-loss-scale", dest="loss_scale", action="store_false",
       help="train without loss scaling")
   add("--init-scale", type=float, default=_DEFAULTS.init_scale,
@@ -98,7 +102,11 @@ def format_summary(metrics: dict, files: Sequence[str]) -> str:
       f"  device          {device['platform']} ("
       f"{'' if device['kind'] == device['platform'] else device['kind'] + ', '}"
       f"{device['count']} device{'s' if device['count'] > 1 else ''})",
-      f"  precision       {config['dtype']} compute, float32 parameters and optimizer state",
+      f"  precision       {config['dtype']} compute, " + (
+          "float32 parameters and optimizer state" if config.get("params", "float32") == "float32"
+          else f"bfloat16 parameters ({config['rounding']} rounding, no master copy; "
+          f"round-to-nearest would lose {summary['stale_fraction']:.1%} of the last update), "
+          "float32 optimizer state"),
       f"  optimizer steps {summary['optimizer_steps']} of {k} micro-batch"
       f"{'es' if k > 1 else ''} x {config['batch_size']} ({summary['micro_steps']} micro-steps), "
       f"{summary['applied_steps']} applied",

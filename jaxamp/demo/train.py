@@ -17,6 +17,8 @@ import jaxamp
 from jaxamp.demo import data as data_lib
 
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
+PARAM_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ROUNDINGS = ("stochastic", "kahan", "nearest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +30,11 @@ class DemoConfig:
     accumulate: micro-batches per optimizer step (``jaxamp.accumulate_gradients``).
     batch_size: examples per micro-batch.
     dtype: compute dtype of the model: ``'float16'``, ``'bfloat16'`` or ``'float32'``
-      (parameters, optimizer state and loss stay float32).
+      (the optimizer state and the loss stay float32).
+    params: dtype of the parameters: ``'float32'`` (a master copy) or
+      ``'bfloat16'`` (no master copy: ``jaxamp.low_precision_params``).
+    rounding: how bfloat16 parameters are updated: ``'stochastic'``,
+      ``'kahan'`` or ``'nearest'`` (ignored with float32 parameters).
     loss_scale: whether to use ``jaxamp.dynamic_loss_scale``.
     init_scale: its initial scale; deliberately high, so that the first steps
       overflow and the scale calibrates itself, as in real runs.
@@ -50,6 +56,8 @@ class DemoConfig:
   accumulate: int = 4
   batch_size: int = 64
   dtype: str = "float16"
+  params: str = "float32"
+  rounding: str = "stochastic"
   loss_scale: bool = True
   init_scale: float = 2.0**24
   growth_interval: int = 100
@@ -72,6 +80,10 @@ class DemoConfig:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if self.dtype not in DTYPES:
       raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+    if self.params not in PARAM_DTYPES:
+      raise ValueError(f"params must be one of {sorted(PARAM_DTYPES)}, got {self.params!r}")
+    if self.rounding not in ROUNDINGS:
+      raise ValueError(f"rounding must be one of {list(ROUNDINGS)}, got {self.rounding!r}")
     if self.num_classes < 2:
       raise ValueError(f"num_classes must be >= 2, got {self.num_classes!r}")
     if not (self.init_scale > 0 and math.isfinite(self.init_scale)):
@@ -83,19 +95,20 @@ class DemoConfig:
 
 
 class MLP(nn.Module):
-  """A GELU MLP that computes in ``dtype`` and keeps float32 parameters."""
+  """A GELU MLP that computes in ``dtype`` and keeps ``param_dtype`` parameters."""
 
   width: int
   depth: int
   num_classes: int
   dtype: Any = jnp.float16
+  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x.astype(self.dtype)
     for _ in range(self.depth):
-      x = nn.gelu(nn.Dense(self.width, dtype=self.dtype, param_dtype=jnp.float32)(x))
-    return nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=jnp.float32)(x)
+      x = nn.gelu(nn.Dense(self.width, dtype=self.dtype, param_dtype=self.param_dtype)(x))
+    return nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype)(x)
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -105,13 +118,18 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def make_optimizer(config: DemoConfig) -> optax.GradientTransformation:
-  """``accumulate_gradients(dynamic_loss_scale(chain(clip, adamw)), k)``, as configured."""
+  """``accumulate_gradients(dynamic_loss_scale(chain(clip, adamw)), k)``, as configured.
+
+  With bfloat16 parameters the chain is wrapped in ``jaxamp.low_precision_params``.
+  """
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.learning_rate,
       warmup_steps=max(1, config.steps // 20), decay_steps=config.steps,
       end_value=config.learning_rate * 0.05)
   parts = [optax.clip_by_global_norm(config.clip)] if config.clip > 0 else []
   tx = optax.chain(*parts, optax.adamw(schedule, weight_decay=config.weight_decay))
+  if config.params == "bfloat16":
+    tx = jaxamp.low_precision_params(tx, config.rounding, seed=config.seed)
   if config.loss_scale:
     tx = jaxamp.dynamic_loss_scale(tx, init_scale=config.init_scale,
                                    growth_interval=config.growth_interval)
@@ -190,7 +208,8 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
   train_x, train_y = jnp.asarray(train.x), jnp.asarray(train.y)
   eval_x, eval_y = jnp.asarray(held_out.x), jnp.asarray(held_out.y)
 
-  model = MLP(config.width, config.depth, config.num_classes, dtype)
+  model = MLP(config.width, config.depth, config.num_classes, dtype,
+              PARAM_DTYPES[config.params])
   key = jax.random.key(config.seed)
   init_key, batch_key = jax.random.split(key)
   params = jax.jit(model.init)(init_key, train_x[:1])["params"]
@@ -303,6 +322,8 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
                             else (last_skip["micro_step"] - 1) // k + 1),
       "last_skipped_leaves": last_skip.get("leaves", []),
       "stalled_steps": int(stalled.sum()),
+      "stale_fraction": (float(jaxamp.step_metrics(state.opt_state)["stale_fraction"])
+                         if config.params == "bfloat16" else None),
       "initial_scale": float(scales[0]),
       "final_scale": final_scale,
       "scale_changes": ups + downs,
@@ -320,7 +341,7 @@ def run(config: DemoConfig, *, report: Optional[Callable[[int, Optional[dict[str
       "versions": {"jax": jax.__version__, "jaxamp": jaxamp.__version__},
       "model": {"kind": "MLP", "layers": [2] + [config.width] * config.depth +
                 [config.num_classes], "parameters": num_params,
-                "compute_dtype": config.dtype, "param_dtype": "float32"},
+                "compute_dtype": config.dtype, "param_dtype": config.params},
       "summary": summary,
       "history": {
           "step": list(range(1, config.steps + 1)),

@@ -32,6 +32,7 @@ from jaxamp._src.facade.mmengine.optim_wrapper import install_group_specs
 from jaxamp._src.facade.mmengine.optim_wrapper_dict import OptimWrapperDict
 from jaxamp._src.facade.torch_optimizers import TORCH_OPTIMIZERS
 from jaxamp._src.facade.torch_optimizers import TorchOptimizer
+from jaxamp._src.low_precision import low_precision_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +239,7 @@ def _build_optimizer(params: Any, optimizer_cfg: Mapping[str, Any], paramwise_cf
   cfg = dict(optimizer_cfg)
   kind = _optimizer_kind(cfg)
   cfg.pop("type")
+  kahan_sum = validation.check_bool("kahan_sum", cfg.pop("kahan_sum", False))
   if "params" in cfg:
     raise ValueError("The optimizer config must not contain 'params': the parameters are the "
                      "first argument of build_optim_wrapper")
@@ -279,6 +281,8 @@ def _build_optimizer(params: Any, optimizer_cfg: Mapping[str, Any], paramwise_cf
     treedef = jax.tree.structure(params)
     tx = optax.partition(dict(zip(label_names, transforms)),
                          jax.tree.unflatten(treedef, [label_names[i] for i in labels]))
+  if kahan_sum:  # optimi's option: bfloat16 parameters updated with Kahan summation
+    tx = low_precision_params(tx, "kahan")
   defaults = base if torch_like else dict(cfg)
   return tx, specs, defaults, torch_like
 
@@ -330,6 +334,13 @@ def build_optim_wrapper(params: Any, cfg: Mapping[str, Any]) -> OptimWrapper:
   ``momentum`` when built as 0) are fixed at construction. Betas and alpha
   are stored as ``1 - beta`` so that float32 holds PyTorch's ``1 - 0.999``
   exactly.
+
+  ``kahan_sum=True`` in the optimizer config (optimi's option, for any
+  optimizer type) trains bfloat16 parameters without a float32 master copy:
+  the optimizer is wrapped in ``jaxamp.low_precision_params(..., "kahan")``,
+  so that updates smaller than bfloat16 can add to a parameter are kept in
+  a compensation buffer instead of being lost. Unlike optimi it is off
+  unless asked for; float32 parameters pass through it untouched.
 
   **paramwise_cfg** follows mmengine's ``DefaultOptimWrapperConstructor``
   over the pytree paths of ``params``. A leaf's name is its dotted path
