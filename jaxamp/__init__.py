@@ -31,6 +31,7 @@ from jaxamp._src.state import get_accumulation_state
 from jaxamp._src.state import get_loss_scale
 from jaxamp._src.state import get_loss_scale_state
 from jaxamp._src.state import has_updated
+from jaxamp._src.state import keep_if_skipped
 from jaxamp._src.state import scale_loss
 from jaxamp._src.state import set_loss_scale
 from jaxamp._src.state import skip_report
@@ -70,6 +71,7 @@ __all__ = (
     "get_loss_scale_state",
     "get_policy",
     "has_updated",
+    "keep_if_skipped",
     "microbatch_value_and_grad",
     "mixed_precision",
     "paddle",
