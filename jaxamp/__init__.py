@@ -2,7 +2,7 @@
 
 from jaxamp import paddle
 from jaxamp._src.accumulation import accumulate_gradients
-from jaxamp._src.autocast import autocast
+from jaxamp._src.autocast import AutocastWarning, autocast
 from jaxamp._src.clipping import clip_grad_norm
 from jaxamp._src.clipping import clip_grad_value
 from jaxamp._src.clipping import total_grad_norm
@@ -47,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AccumulationState",
     "AmpOptimWrapper",
+    "AutocastWarning",
     "ClipGradNormState",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
