@@ -227,4 +227,4 @@ CASES = {
     "cnn_batchnorm_state", pytest.param("mlp_filter_custom_vjp", marks=_FILTER_CUSTOM_VJP),
     "transformer"])
 def test_equinox_model(name, dtype):
-  _harness.check(CASES[name](), dtype, name)
+  _harness.check(CASES[name](), dtype, "equinox/" + name)

@@ -162,7 +162,7 @@ class TrainStateTrainer:
       new_state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
       return new_state, (loss, _harness.unscaled(grads, state.opt_state))
 
-    self._step = jax.jit(train_step)
+    self._step = jax.jit(train_step, compiler_options=_harness.COMPILER_OPTIONS)
 
   def step(self, batch):
     self.state, out = self._step(self.state, batch)
@@ -289,7 +289,7 @@ CASES = {
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_linen_model(name, dtype):
-  _harness.check(CASES[name](), dtype, name)
+  _harness.check(CASES[name](), dtype, "linen/" + name)
 
 
 def test_a_nan_batch_leaves_batch_stats_bit_identical_in_train_state():

@@ -140,10 +140,6 @@ def _case(make_model, batch, nan_batch, has_stats, low_ops):
                        trainer=lambda dtype: NNXTrainer(make_model, dtype))
 
 
-_MODULES_UNDER_AUTOCAST = pytest.mark.xfail(
-    strict=True, reason="autocast treats an NNX module argument as static: BatchNorm statistics "
-    "updated inside nnx.value_and_grad(jaxamp.autocast(loss_fn)) never reach the module")
-
 CASES = {
     "cnn_batchnorm_dropout": lambda: _case(
         lambda: CNN(rngs=nnx.Rngs(0, dropout=1)), (IMAGES, LABELS),
@@ -156,9 +152,9 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", [
-    pytest.param("cnn_batchnorm_dropout", marks=_MODULES_UNDER_AUTOCAST), "scan_remat_stack"])
+    "cnn_batchnorm_dropout", "scan_remat_stack"])
 def test_nnx_model(name, dtype):
-  _harness.check(CASES[name](), dtype, name)
+  _harness.check(CASES[name](), dtype, "nnx/" + name)
 
 
 def test_a_nan_batch_leaves_nnx_batch_stats_bit_identical():

@@ -212,16 +212,12 @@ def _xfail(reason):
 
 
 _MARKS = {
-    "custom_vjp_fwd_calls_primal": _xfail("autocast recurses forever on a custom_vjp whose "
-                                          "forward rule calls the primal (RecursionError)"),
     "custom_vjp_input_residual": _xfail("autocast fails on a custom_vjp whose residual is an "
                                         "input (AssertionError while differentiating)"),
-    "optax_scale_gradient": _xfail("optax.scale_gradient is a custom_vjp with an input "
-                                   "residual: the same AssertionError"),
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_MARKS.get(n, ())) for n in sorted(CASES)])
 def test_pure_jax_model(name, dtype):
-  _harness.check(CASES[name](), dtype, name)
+  _harness.check(CASES[name](), dtype, "jax/" + name)
