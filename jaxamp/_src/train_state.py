@@ -162,7 +162,8 @@ class TrainState:
     step = jnp.where(applied, optax.safe_increment(self.step), self.step)
     for name, value in kwargs.items():
       previous = getattr(self, name, None)
-      if jax.tree.structure(previous) == jax.tree.structure(value):
+      same_tree = jax.tree.structure(previous) == jax.tree.structure(value)  # type: ignore[operator]
+      if same_tree:
         kwargs[name] = state_lib.keep_if_skipped(value, previous, self.opt_state, opt_state)
     return self.replace(step=step.astype(self.step.dtype), params=params, opt_state=opt_state,
                         **kwargs)
