@@ -17,6 +17,7 @@ from jaxamp._src.facade.torch import clip_grad_norm_
 from jaxamp._src.loss_scale import dynamic_loss_scale
 from jaxamp._src.loss_scale import static_loss_scale
 from jaxamp._src.microbatch import microbatch_value_and_grad
+from jaxamp._src.outside import validate_opt_state
 from jaxamp._src.finite import all_finite
 from jaxamp._src.policy import Policy
 from jaxamp._src.policy import get_policy
@@ -87,4 +88,5 @@ __all__ = (
     "total_grad_norm",
     "update_applied",
     "upgrade_opt_state",
+    "validate_opt_state",
 )
