@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import linen as nn
 
@@ -66,7 +65,7 @@ class DecoderLayer(nn.Module):
 class TransformerLM(nn.Module):
   vocab: int = VOCAB
   dim: int = DIM
-  layers: int = 2
+  layers: int = 1
 
   @nn.compact
   def __call__(self, tokens, deterministic=False):
@@ -290,15 +289,3 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_linen_model(name, dtype):
   _harness.check(CASES[name](), dtype, "linen/" + name)
-
-
-def test_a_nan_batch_leaves_batch_stats_bit_identical_in_train_state():
-  """TrainState.apply_gradients keeps the previous batch_stats on a skipped step."""
-  model = ResNet()
-  variables = model.init(KEY, IMAGES, train=False)
-  trainer = TrainStateTrainer(model, variables, jnp.float16)
-  trainer.step((IMAGES, LABELS))
-  before = jax.device_get(trainer.state.batch_stats)
-  trainer.step((_harness.nan_like(IMAGES), LABELS))
-  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.state.batch_stats)):
-    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
