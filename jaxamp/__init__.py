@@ -38,6 +38,7 @@ from jaxamp._src.state import get_accumulation_state
 from jaxamp._src.state import get_loss_scale
 from jaxamp._src.state import get_loss_scale_state
 from jaxamp._src.state import has_updated
+from jaxamp._src.state import keep_if_skipped
 from jaxamp._src.state import scale_loss
 from jaxamp._src.state import set_loss_scale
 from jaxamp._src.state import skip_report
@@ -84,6 +85,7 @@ __all__ = (
     "get_policy",
     "low_precision_params",
     "has_updated",
+    "keep_if_skipped",
     "microbatch_value_and_grad",
     "mixed_precision",
     "overwrite_with_gradient",

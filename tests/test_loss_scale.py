@@ -665,3 +665,12 @@ def test_static_loss_scale_keeps_its_scale_skips_and_changes_without_recompiling
   assert float(state.scale) == 2.0
   updates, state = step({"w": jnp.array([2.0, 2.0])}, state)
   assert counter["n"] == 1
+
+
+@pytest.mark.parametrize("outer", ["dynamic", "static"])
+def test_a_loss_scaler_inside_another_is_refused_at_init_with_the_fix(outer):
+  inner = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+  tx = (jaxamp.dynamic_loss_scale(inner) if outer == "dynamic"
+        else jaxamp.static_loss_scale(inner, 8.0))
+  with pytest.raises(ValueError, match=r"unscaled twice.*dynamic_loss_scale\(optax.chain"):
+    tx.init({"w": jnp.zeros(2)})

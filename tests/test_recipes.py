@@ -198,3 +198,56 @@ def test_backward_all_refuses_accumulating_wrappers():
                                                            accumulative_counts=2))
   with pytest.raises(ValueError, match="backward_all needs accumulative_counts=1"):
     wrappers.backward_all(lambda ps, x: jnp.sum(ps["a"]["w"]), X)
+
+
+def _half_loss(params, x):
+  """A loss computed in float16: a large scale overflows its gradients."""
+  h = x.astype(jnp.float16) @ params["w"].astype(jnp.float16) + params["b"].astype(jnp.float16)[None, :]
+  return jnp.mean(jnp.tanh(h).astype(jnp.float32) ** 2)
+
+
+def _penalty_run(make_scaler, form, init_scale, steps=32):
+  """The gradient-penalty recipe, its inner scaled gradients written in ``form``; per-step values."""
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), W0)
+  scaler = make_scaler(init_scale)
+
+  def penalized(params, x):
+    if form == "function":
+      scaled_grads = jax.grad(scaler.scale(_half_loss))(params, x)
+    else:
+      scaled_grads = jax.grad(lambda p: scaler.scale(_half_loss(p, x)))(params)
+    inv_scale = 1.0 / scaler.scale(jnp.float32(1.0))  # the scale, asked for as an array
+    grads = jax.tree.map(lambda g: g * inv_scale, scaled_grads)
+    return _half_loss(params, x) + jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+
+  trace = []
+  for _ in range(steps):
+    opt.zero_grad()
+    loss = opt.backward(scaler.scale(penalized), X)
+    scaler.step(opt)
+    scaler.update()
+    trace.append((np.asarray(loss), np.asarray(scaler.state.scale),
+                  [np.asarray(p) for p in jax.tree.leaves(opt.params)]))
+  return trace
+
+
+_SCALERS = {
+    "torch": lambda s: jaxamp.GradScaler(init_scale=s, growth_interval=4),
+    "paddle": lambda s: jaxamp.paddle.GradScaler(init_loss_scaling=s, incr_every_n_steps=4,
+                                                 decr_every_n_nan_or_inf=1),
+}
+
+
+@pytest.mark.parametrize("init_scale", [2.0**40, 2.0**16])
+@pytest.mark.parametrize("facade", sorted(_SCALERS))
+def test_gradient_penalty_function_and_array_forms_give_the_same_run(facade, init_scale):
+  """Inside a scaled loss, scale(fn) multiplies by the traced scale, as scale(array) does."""
+  by_function = _penalty_run(_SCALERS[facade], "function", init_scale)
+  by_array = _penalty_run(_SCALERS[facade], "array", init_scale)
+  for step, (a, b) in enumerate(zip(by_function, by_array)):
+    np.testing.assert_array_equal(a[0], b[0], err_msg=f"loss at step {step}")
+    np.testing.assert_array_equal(a[1], b[1], err_msg=f"scale at step {step}")
+    for pa, pb in zip(a[2], b[2]):
+      np.testing.assert_array_equal(pa, pb, err_msg=f"params at step {step}")
+  assert np.isfinite(by_function[-1][0])  # recovered from the overflowing start
+  assert not np.array_equal(by_function[-1][2][0], np.asarray(W0["b"]))  # and trained

@@ -147,6 +147,12 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
     fp8.refuse(params, "dynamic_loss_scale" if rule.dynamic else "static_loss_scale")
     check_grad_dtypes(params, "params")
     inner_state = inner.init(params)
+    if state_lib.find_states(inner_state, LossScaleState):
+      raise ValueError(
+          "a loss-scaling transformation wraps another one: the gradients would be unscaled "
+          "twice and each scale would back off on the other's overflows. Use one, outermost "
+          "(inside jaxamp.accumulate_gradients if you accumulate): "
+          "jaxamp.dynamic_loss_scale(optax.chain(...)).")
     warn_if_accumulation_inside(
         inner_state, "dynamic_loss_scale" if rule.dynamic else "static_loss_scale")
     num_leaves = len(finite.float_leaves(params))

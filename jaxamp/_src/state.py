@@ -383,6 +383,55 @@ def update_applied(before: optax.OptState, after: optax.OptState) -> jax.Array:
   return jnp.logical_and(closed, not_skipped)
 
 
+def keep_if_skipped(new: Any, old: Any, before: optax.OptState, after: optax.OptState) -> Any:
+  """``old`` where the step was skipped or ``new`` holds an inf or a nan; ``new`` otherwise.
+
+  For what a train step writes besides the parameters and the optimizer
+  state: BatchNorm running statistics (Flax ``batch_stats``, NNX
+  ``nnx.BatchStat``, Equinox ``eqx.nn.State``), EMA copies, counters. The
+  forward pass of a skipped step computed them from the batch whose
+  gradients were dropped: they are kept at their previous values, as the
+  parameters are, so one bad batch cannot leave NaN statistics behind (a
+  running mean that holds a NaN holds it for good, and evaluation returns
+  NaN while the training loss looks fine). On a step that was not skipped
+  (an applied one, or a micro-step of :func:`accumulate_gradients` that only
+  accumulates) they are kept too when any of their floating leaves is not
+  finite. The choice is one for the whole tree, so the statistics always come
+  from one step. :class:`TrainState` applies it to the fields passed to
+  ``apply_gradients``.
+
+  Args:
+    new: the values the step computed (a pytree).
+    old: the values before the step (a pytree of the same structure).
+    before: the optimizer state passed to ``tx.update``.
+    after: the optimizer state it returned.
+
+  Returns:
+    ``new`` or ``old``, leaf by leaf in ``old``'s dtypes (no host sync).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> _, new_state = tx.update({'w': jnp.array([1.0, jnp.nan])}, state)
+    >>> stats, new_stats = {'mean': jnp.zeros(2)}, {'mean': jnp.array([0.5, jnp.nan])}
+    >>> jaxamp.keep_if_skipped(new_stats, stats, state, new_state)
+    {'mean': Array([0., 0.], dtype=float32)}
+  """
+  skipped = skipped_steps(after) != skipped_steps(before)
+  finite = jnp.array(True)
+  for leaf in jax.tree.leaves(new):
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      finite = jnp.logical_and(finite, jnp.all(jnp.isfinite(leaf)))
+  keep = jnp.logical_or(skipped, jnp.logical_not(finite))
+
+  def select(n: Any, o: Any) -> Any:
+    o = jnp.asarray(o)
+    return jnp.where(keep, o, jnp.asarray(n).astype(o.dtype))
+
+  return jax.tree.map(select, new, old)
+
+
 def loss_scale_or_one(opt_state: optax.OptState) -> jax.Array:
   """The loss scale inside ``opt_state`` (float32), or 1.0 when it holds none."""
   scale_states = find_states(opt_state, LossScaleState)

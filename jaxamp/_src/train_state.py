@@ -154,9 +154,12 @@ class TrainState:
     Args:
       grads: the gradients of the *scaled* loss (see :meth:`scale_loss`),
         with the structure and float32 dtypes of ``params``.
-      **kwargs: other fields to replace (e.g. ``batch_stats``); they are
-        replaced whether or not the step was applied, as PyTorch's BatchNorm
-        statistics are updated by the forward pass of a skipped step.
+      **kwargs: other fields to replace (e.g. ``batch_stats``). On a step
+        skipped for non-finite gradients, and wherever the new values hold an
+        inf or a nan, each keeps its previous value (see
+        :func:`jaxamp.keep_if_skipped`): the statistics of a bad batch never
+        reach the state. A field whose new value has another tree structure
+        than the old one is replaced as given.
 
     Returns:
       The new state.
@@ -167,6 +170,11 @@ class TrainState:
       params = fp8.apply_updates(self.params, updates)
     applied = state_lib.update_applied(self.opt_state, opt_state)
     step = jnp.where(applied, optax.safe_increment(self.step), self.step)
+    for name, value in kwargs.items():
+      previous = getattr(self, name, None)
+      same_tree = jax.tree.structure(previous) == jax.tree.structure(value)  # type: ignore[operator]
+      if same_tree:
+        kwargs[name] = state_lib.keep_if_skipped(value, previous, self.opt_state, opt_state)
     return self.replace(step=step.astype(self.step.dtype), params=params, opt_state=opt_state,
                         **kwargs)
 

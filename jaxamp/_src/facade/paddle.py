@@ -8,6 +8,7 @@ its state, stage bookkeeping and jitted steps (see
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, cast
 
 import jax
@@ -178,6 +179,7 @@ class GradScaler:
     # Flags of the steps since the last update, and the flag the last update used.
     self._pending: list[jax.Array] = []
     self._last_found_inf = jnp.zeros([], jnp.bool_)
+    self._scales_in_use: list[jax.Array] = []
 
   def _make_rule(self, **changes: Any) -> loss_scale.ScaleRule:
     values: dict[str, Any] = dict(
@@ -198,7 +200,19 @@ class GradScaler:
     return self._state
 
   def _scale_array(self) -> jax.Array:
+    """The scale a loss scaled now is multiplied by (a scaled loss call's, inside one)."""
+    if self._scales_in_use:
+      return self._scales_in_use[-1]
     return self._state.scale
+
+  @contextlib.contextmanager
+  def using_scale(self, scale: jax.Array):
+    """Inside, :meth:`scale` uses ``scale`` (the one a scaled loss being called multiplies by)."""
+    self._scales_in_use.append(scale)
+    try:
+      yield
+    finally:
+      self._scales_in_use.pop()
 
   # -- scaling ----------------------------------------------------------------------------------
 
@@ -210,7 +224,9 @@ class GradScaler:
         ``loss_fn``: returns a pytree callable whose output is multiplied by
         the scale current when it is called (or flattened into a jitted
         call), so ``opt.backward(scaler.scale(loss_fn), batch)`` computes
-        scaled gradients without recompiling as the scale changes.
+        scaled gradients without recompiling as the scale changes. Inside a
+        loss function this scaler scales, both forms use the scale that call
+        multiplies by (traced in a compiled backward pass).
       has_aux: for a callable returning ``(loss, aux)``: scale only ``loss``.
 
     Returns:
@@ -225,8 +241,10 @@ class GradScaler:
     if not self._enable:
       return var
     if core.is_array(var):
-      return state_lib.multiply_by_scale(var, self._state.scale)
-    return ScaledLoss(var, self, bool(has_aux))
+      return state_lib.multiply_by_scale(var, self._scale_array())
+    # Inside a scaled loss being traced, multiply by its (traced) scale, not the state's.
+    in_use = self._scales_in_use[-1] if self._scales_in_use else None
+    return ScaledLoss(var, self, bool(has_aux), in_use)
 
   # -- unscale / step / update ------------------------------------------------------------------
 

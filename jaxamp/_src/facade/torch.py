@@ -221,7 +221,14 @@ class GradScaler:
     return self._state
 
   def _scale_array(self) -> jax.Array:
-    """The current scale as a device scalar (creating the state if needed)."""
+    """The scale a loss scaled now is multiplied by, as a device scalar.
+
+    Inside a :class:`ScaledLoss` call, the scale that call multiplies by (a
+    traced argument while the backward pass is compiled); elsewhere the
+    state's (created if needed).
+    """
+    if self._scales_in_use:
+      return self._scales_in_use[-1]
     return self._lazy_init_scale_growth_tracker().scale
 
   @contextlib.contextmanager
@@ -265,7 +272,11 @@ class GradScaler:
         function with its output multiplied by the scale current when it is
         called (or flattened into a jitted call), so that
         ``opt.backward(scaler.scale(loss_fn), batch)`` computes scaled
-        gradients and a training loop compiles once.
+        gradients and a training loop compiles once. Inside a loss function
+        this scaler scales, both forms (and :meth:`get_scale`) use the scale
+        that call multiplies by, traced in a compiled backward pass: PyTorch's
+        gradient-penalty recipe may write ``jax.grad(scaler.scale(loss_fn))``
+        or ``scaler.scale(loss)`` alike.
       has_aux: for a callable returning ``(loss, aux)``: scale only ``loss``.
 
     Returns:
@@ -279,7 +290,10 @@ class GradScaler:
       return outputs
     if callable(outputs) and not isinstance(outputs, (list, tuple)) and not core.is_array(outputs):
       self._lazy_init_scale_growth_tracker()
-      return ScaledLoss(outputs, self, bool(has_aux))
+      # Inside a scaled loss being traced, the new function multiplies by that loss's (traced)
+      # scale, not by the state's, which the compiled code would freeze.
+      in_use = self._scales_in_use[-1] if self._scales_in_use else None
+      return ScaledLoss(outputs, self, bool(has_aux), in_use)
     scale = self._current_scale("scale")
     if core.is_array(outputs):
       return state_lib.multiply_by_scale(outputs, scale)
