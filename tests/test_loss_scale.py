@@ -591,8 +591,9 @@ def _nestings():
   injected = optax.inject_hyperparams(
       lambda learning_rate: jaxamp.dynamic_loss_scale(optax.sgd(learning_rate), init_scale=8.0))(
           learning_rate=0.1)
-  both = optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
-                     jaxamp.static_loss_scale(optax.identity(), 8.0))
+  both = optax.chain(optax.identity(), optax.inject_hyperparams(
+      lambda learning_rate: jaxamp.static_loss_scale(optax.sgd(learning_rate), 8.0))(
+          learning_rate=0.1))
   return params, {"chain": chained, "inject_hyperparams": injected, "chain+inject": both}
 
 
@@ -609,6 +610,56 @@ def test_get_scale_and_set_loss_scale_through_nesting(name):
   updates, state = jax.jit(tx.update)({"w": jnp.full(2, 32.0)}, state, params)
   assert float(jaxamp.get_loss_scale(state)) == 32.0
   np.testing.assert_allclose(updates["w"], -0.1)
+
+
+_BROKEN_COMPOSITIONS = {
+    "multisteps": (lambda: optax.MultiSteps(jaxamp.dynamic_loss_scale(optax.adam(0.1)), 2),
+                   "jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(inner), k)"),
+    "apply_if_finite": (
+        lambda: optax.apply_if_finite(jaxamp.dynamic_loss_scale(optax.adam(0.1)), 3),
+        "jaxamp.dynamic_loss_scale(inner) alone"),
+    "optimizer_after": (
+        lambda: optax.chain(jaxamp.dynamic_loss_scale(optax.identity()), optax.adam(0.1)),
+        "jaxamp.dynamic_loss_scale(optax.chain(...))"),
+    "optimizer_before": (
+        lambda: optax.chain(optax.adam(0.1), jaxamp.dynamic_loss_scale(optax.identity())),
+        "jaxamp.dynamic_loss_scale(optax.chain(...))"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BROKEN_COMPOSITIONS))
+def test_compositions_that_cannot_work_are_refused_at_first_trace(name):
+  make, working = _BROKEN_COMPOSITIONS[name]
+  params = {"w": jnp.ones(2)}
+  state = make().init(params)
+  with pytest.raises(ValueError, match=re.escape(working)):
+    jax.jit(jaxamp.scale_loss)(jnp.float32(1.0), state)
+  with pytest.raises(ValueError, match=re.escape(working)):
+    jaxamp.get_loss_scale(state)
+  train_state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=make())
+  with pytest.raises(ValueError, match=re.escape(working)):
+    jax.jit(lambda s: s.scale_loss(jnp.float32(1.0)))(train_state)
+
+
+@pytest.mark.parametrize("tx", [
+    jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9)), 2),
+    jaxamp.dynamic_loss_scale(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))),
+    optax.chain(optax.clip_by_global_norm(1.0), optax.identity(),
+                jaxamp.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9))),
+], ids=["accumulate", "chain_inside", "stateless_outside"])
+def test_working_compositions_still_train(tx):
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    grads = jax.grad(lambda p: jaxamp.scale_loss(jnp.sum(p["w"] ** 2), state))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for _ in range(4):
+    params, state = step(params, state)
+  assert float(jnp.sum(params["w"] ** 2)) < 2.0 and int(jaxamp.skipped_steps(state)) == 0
 
 
 def test_scale_loss_promotes_half_precision_losses():

@@ -182,14 +182,76 @@ def promotion_for_updates(opt_state: optax.OptState) -> Any:
   return contextlib.nullcontext()
 
 
+def _child(node: Any, key: Any) -> Any:
+  """The child of pytree ``node`` at one key of a ``jax.tree_util`` key path."""
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return getattr(node, key.name)
+  if isinstance(key, jax.tree_util.SequenceKey):
+    return node[key.idx]
+  if isinstance(key, jax.tree_util.DictKey):
+    return node[key.key]
+  children = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
+  return children[key.key]
+
+
+def _check_composition(opt_state: optax.OptState, path: Any) -> None:
+  """Refuses the compositions around a loss scaler that cannot work (a trace-time check).
+
+  ``path`` is the key path of the loss-scale state inside ``opt_state``. Raises
+  when it sits inside ``optax.MultiSteps`` or ``optax.apply_if_finite``, or in
+  an ``optax.chain`` beside a transformation that holds state.
+  """
+  node = opt_state
+  for key in path:
+    if isinstance(node, optax.MultiStepsState):
+      raise ValueError(
+          "optax.MultiSteps(jaxamp.dynamic_loss_scale(...)) cannot work: MultiSteps resets its "
+          "accumulator by multiplying it by zero, and 0 * inf is nan, so one overflowing "
+          "micro-batch leaves nan in the accumulator and every later step is skipped: the run "
+          "stalls for good. Accumulate inside jaxamp instead: "
+          "jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(inner), k).")
+    if isinstance(node, optax.ApplyIfFiniteState):
+      raise ValueError(
+          "optax.apply_if_finite(jaxamp.dynamic_loss_scale(...)) cannot work: it throws away "
+          "the inner state of every non-finite step, and with it the loss scaler's back-off, so "
+          "the scale never comes down from a value that overflows. The loss scaler already skips "
+          "non-finite steps: use jaxamp.dynamic_loss_scale(inner) alone.")
+    if type(node) is tuple and isinstance(key, jax.tree_util.SequenceKey):
+      stateful = [i for i, sibling in enumerate(node)
+                  if i != key.idx and jax.tree.leaves(sibling)]
+      if stateful:
+        where = "before" if stateful[0] < key.idx else "after"
+        raise ValueError(
+            "a loss scaler sits in optax.chain(...) beside a transformation that holds state "
+            f"(chain entry {stateful[0]}, {where} the scaler at entry {key.idx}): a "
+            "transformation before the scaler sees the scaled, possibly infinite gradients "
+            "(one inf poisons its state), one after it advances on the skipped steps. Put "
+            "every stateful transformation inside the scaler: "
+            "jaxamp.dynamic_loss_scale(optax.chain(...)).")
+    node = _child(node, key)
+
+
 def get_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
   """Finds the (outermost) :class:`LossScaleState` anywhere inside ``opt_state``.
 
+  Every functional-core query of the scale goes through here (:func:`scale_loss`,
+  :func:`get_loss_scale`, ``jaxamp.TrainState``, ``jaxamp.nnx.Optimizer``), so
+  the compositions around the scaler that cannot work are refused here, at the
+  first trace: a scaler inside ``optax.MultiSteps`` or
+  ``optax.apply_if_finite``, or beside a stateful transformation in an
+  ``optax.chain``. A Python check on the tree structure; nothing of it runs in
+  the compiled step.
+
   Raises:
-    ValueError: when ``opt_state`` holds no loss-scale state.
+    ValueError: when ``opt_state`` holds no loss-scale state, or holds it in
+      one of the compositions above (the message names the one that works).
   """
-  for node in find_states(opt_state, LossScaleState):
-    return node
+  found = jax.tree_util.tree_flatten_with_path(
+      opt_state, is_leaf=lambda n: isinstance(n, LossScaleState))[0]
+  for path, node in found:
+    if isinstance(node, LossScaleState):
+      _check_composition(opt_state, path)
+      return node
   raise ValueError(
       "No loss-scale state found in the optimizer state (of type "
       f"{type(opt_state).__name__}). Build the optimizer with jaxamp.dynamic_loss_scale(...) "
@@ -434,10 +496,9 @@ def keep_if_skipped(new: Any, old: Any, before: optax.OptState, after: optax.Opt
 
 def loss_scale_or_one(opt_state: optax.OptState) -> jax.Array:
   """The loss scale inside ``opt_state`` (float32), or 1.0 when it holds none."""
-  scale_states = find_states(opt_state, LossScaleState)
-  if not scale_states:
+  if not find_states(opt_state, LossScaleState):
     return jnp.ones([], jnp.float32)
-  return jnp.asarray(scale_states[0].scale, jnp.float32)
+  return jnp.asarray(get_loss_scale_state(opt_state).scale, jnp.float32)
 
 
 def stalled(opt_state: optax.OptState) -> jax.Array:
