@@ -7,7 +7,7 @@ from jaxamp._src.clipping import clip_grad_norm
 from jaxamp._src.clipping import clip_grad_value
 from jaxamp._src.clipping import total_grad_norm
 from jaxamp._src.facade.builder import build_optim_wrapper
-from jaxamp._src.facade.stall import StallWarning
+from jaxamp._src.loss_scale import StallWarning
 from jaxamp._src.facade.stall import StalledError
 from jaxamp._src.facade.mmengine.amp_optim_wrapper import AmpOptimWrapper
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +98,8 @@ def _nan_run(tx, steps):
 
 
 def test_a_run_that_skips_every_step_stalls_after_stall_after_steps():
-  state, stalled_at, step = _nan_run(jaxamp.dynamic_loss_scale(optax.sgd(0.1), stall_after=7), 12)
+  state, stalled_at, step = _nan_run(jaxamp.dynamic_loss_scale(optax.sgd(0.1), stall_after=7,
+                                                             on_stall="ignore"), 12)
   assert stalled_at == 7 and int(state.skip_streak) == 12
   assert step._cache_size() == 1  # no recompilation
   # A good step ends the stall.
@@ -106,13 +108,14 @@ def test_a_run_that_skips_every_step_stalls_after_stall_after_steps():
 
 
 def test_a_skip_at_min_scale_is_a_stall_at_once():
-  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0, min_scale=1.0)
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0, min_scale=1.0, on_stall="ignore")
   _, stalled_at, _ = _nan_run(tx, 5)
   assert stalled_at == 3  # 4 -> 2 -> 1, then a skip that cannot back off
 
 
 def test_a_static_scale_stalls_on_the_streak_only():
-  _, stalled_at, _ = _nan_run(jaxamp.static_loss_scale(optax.sgd(0.1), 1.0, stall_after=4), 6)
+  _, stalled_at, _ = _nan_run(jaxamp.static_loss_scale(optax.sgd(0.1), 1.0, stall_after=4,
+                                                                on_stall="ignore"), 6)
   assert stalled_at == 4
 
 
@@ -251,3 +254,60 @@ def test_an_old_checkpoint_fails_clearly_and_upgrades(tmp_path):
     np.testing.assert_array_equal(a, b)
   with pytest.raises(ValueError, match="expected the fields of LossScaleState"):
     jaxamp.upgrade_opt_state([1, 2], tx.init(params))
+
+
+def _stalling_step(on_stall):
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0, stall_after=3,
+                                 on_stall=on_stall)
+  params = {"w": jnp.ones(2)}
+
+  @jax.jit
+  def step(state, x):
+    grads = jax.grad(lambda p: jaxamp.scale_loss(jnp.sum(p["w"] * x), state))(params)
+    return tx.update(grads, state, params)[1]
+
+  return step, tx.init(params)
+
+
+def test_the_functional_core_warns_once_when_a_run_stalls():
+  step, state = _stalling_step("warn")
+  good, bad = jnp.ones(2), jnp.array([1.0, jnp.nan])
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for x in [good] * 3 + [bad] * 6 + [good] + [bad] * 2:
+      state = step(state, x)
+      jax.effects_barrier()
+  stalls = [w for w in caught if issubclass(w.category, jaxamp.StallWarning)]
+  # One warning, on the third skip in a row; none on the good steps, the later skips of the
+  # same stall, or the two skips after the good step (a streak below stall_after).
+  assert len(stalls) == 1 and len(caught) == 1
+  assert "3 consecutive steps were skipped" in str(stalls[0].message)
+  assert "skip_report" in str(stalls[0].message)
+  assert step._cache_size() == 1  # no recompilation
+
+
+def test_a_stall_warning_made_an_error_surfaces_as_a_runtime_error():
+  # Under filterwarnings=error (this suite's setting) the warning raised inside the host
+  # callback reaches the caller as a JaxRuntimeError that carries its text.
+  step, state = _stalling_step("warn")
+  with pytest.raises(jax.errors.JaxRuntimeError, match="StallWarning"):
+    for _ in range(4):
+      state = step(state, jnp.array([jnp.nan, 1.0]))
+    jax.block_until_ready(state)
+    jax.effects_barrier()
+
+
+def test_on_stall_ignore_records_the_stall_without_a_warning():
+  step, state = _stalling_step("ignore")
+  for _ in range(4):
+    state = step(state, jnp.array([jnp.nan, 1.0]))
+  assert bool(state.stalled)
+
+
+@pytest.mark.parametrize("factory", [
+    lambda v: jaxamp.dynamic_loss_scale(optax.sgd(0.1), on_stall=v),
+    lambda v: jaxamp.static_loss_scale(optax.sgd(0.1), 2.0, on_stall=v),
+])
+def test_on_stall_is_validated(factory):
+  with pytest.raises(ValueError, match=r"on_stall must be one of \('warn', 'ignore'\), got 'raise'"):
+    factory("raise")

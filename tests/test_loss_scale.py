@@ -121,7 +121,7 @@ def _scaled_grads(kind, scale):
 @functools.lru_cache(maxsize=None)
 def scan_runner(**hyper):
   """A jitted lax.scan over a sequence of step kinds (one compilation per hyperparameter set)."""
-  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.5), **hyper)
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.5), **hyper, on_stall="ignore")
 
   @jax.jit
   def run(kinds, state, params):
@@ -236,7 +236,7 @@ def test_default_floor_stops_the_slide_to_zero():
 def test_explicit_min_and_max_are_honoured():
   kinds = [FINITE] * 5 + [INF] * 6
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0, growth_interval=1,
-                                 min_scale=1.5, max_scale=16.0)
+                                 min_scale=1.5, max_scale=16.0, on_stall="ignore")
   states, _ = run_eager(tx, kinds)
   assert [float(s.scale) for s in states] == [8, 16, 16, 16, 16, 8, 4, 2, 1.5, 1.5, 1.5]
   assert as_dicts(states) == model(kinds, init_scale=4.0, growth_interval=1, min_scale=1.5,
@@ -273,7 +273,7 @@ def test_random_steps_follow_the_python_model(kinds, growth_factor, backoff_fact
   hyper = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
                max_scale=max_scale)
-  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.5), **hyper)
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.5), **hyper, on_stall="ignore")
   params0 = {"w": jnp.array([1.0, -0.0, 2.0])}
   states, params = run_eager(tx, kinds, params0)
   want = model(kinds, **hyper)

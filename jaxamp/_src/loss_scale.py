@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from jaxamp._src import finite
 from jaxamp._src import fp8
@@ -134,14 +136,45 @@ def check_grad_dtypes(tree: Any, what: str) -> None:
                     "unscaled nor checked for overflow.", stacklevel=3)
 
 
+class StallWarning(RuntimeWarning):
+  """A loss-scaled run has skipped every step for a while: its gradients never become finite."""
+
+
+#: What a loss scaler does when its run stalls (``on_stall``).
+ON_STALL = ("warn", "ignore")
+
+
+def _check_on_stall(on_stall: Any) -> str:
+  if not isinstance(on_stall, str) or on_stall not in ON_STALL:
+    raise ValueError(f"on_stall must be one of {ON_STALL}, got {on_stall!r}")
+  return on_stall
+
+
+def _warn_stalled(flipped: Any, streak: Any, scale: Any, *, name: str) -> None:
+  """Host side of the stall warning (called from inside the step by ``jax.debug.callback``).
+
+  ``flipped`` is checked again here: under ``vmap`` with a batched flag the
+  branch that calls this runs for every element, the flag says which stalled.
+  """
+  if not bool(flipped):
+    return
+  warnings.warn(
+      f"jaxamp.{name}: {int(streak)} consecutive steps were skipped because the gradients held "
+      f"inf or nan, and the loss scale ({float(scale):g}) has not made them finite: the run is "
+      "stalled. Look for the operation that overflows (jaxamp.skip_report(opt_state, params) "
+      f"names the gradient leaves) or for bad inputs. Pass {name}(..., on_stall='ignore') to "
+      "read LossScaleState.stalled yourself instead.", StallWarning, stacklevel=2)
+
+
 #: Default ``stall_after``: consecutive skipped steps after which a run counts as stalled. With the
 #: default back-off (0.5 per skip) that is a scale 2^50 times smaller, far past any calibration.
 DEFAULT_STALL_AFTER = 50
 
 
 def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.AxisName,
-             stall_after: int) -> optax.GradientTransformationExtraArgs:
+             stall_after: int, on_stall: str) -> optax.GradientTransformationExtraArgs:
   inner = validation.check_gradient_transformation(inner, "inner")
+  name = "dynamic_loss_scale" if rule.dynamic else "static_loss_scale"
 
   def init_fn(params):
     fp8.refuse(params, "dynamic_loss_scale" if rule.dynamic else "static_loss_scale")
@@ -200,6 +233,14 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
     streak = jnp.where(found_inf, optax.safe_increment(state.skip_streak), 0).astype(jnp.int32)
     at_floor = rule.dynamic and state.scale <= jnp.float32(rule.min_scale)
     stalled = found_inf & ((streak >= stall_after) | at_floor)
+    if on_stall == "warn":
+      # A host callback in a branch taken only on the step where the run
+      # becomes stalled: a good step pays one scalar compare.
+      def report(flipped, streak, scale):
+        jax.debug.callback(functools.partial(_warn_stalled, name=name), flipped, streak, scale)
+
+      flipped = stalled & jnp.logical_not(state.stalled)
+      lax.cond(flipped, report, lambda *_: None, flipped, streak, state.scale)
     return updates, LossScaleState(scale, tracker, overflow, found_inf, skipped_steps, streak,
                                    stalled, check.nonfinite_leaves, inner_state)
 
@@ -218,6 +259,7 @@ def dynamic_loss_scale(
     max_scale: Optional[float] = None,
     axis_name: finite.AxisName = None,
     stall_after: int = DEFAULT_STALL_AFTER,
+    on_stall: str = "warn",
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling.
 
@@ -290,6 +332,12 @@ def dynamic_loss_scale(
       run as stalled (``LossScaleState.stalled``, :func:`jaxamp.stalled`);
       a skip at ``min_scale``, where the scale cannot back off any more,
       counts as a stall at once.
+    on_stall: ``"warn"`` (the default) emits a :class:`jaxamp.StallWarning`
+      from inside the step, through ``jax.debug.callback``, on the step where
+      the run becomes stalled (once per stall: ``stalled`` must turn False,
+      on an applied step, before it warns again); ``"ignore"`` only records
+      it in the state. The callback runs in a branch taken only on that step,
+      so a good step pays one scalar compare.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -297,7 +345,7 @@ def dynamic_loss_scale(
 
   Raises:
     TypeError: for arguments of the wrong type.
-    ValueError: for out-of-range hyperparameters, or (at ``init``/trace time)
+    ValueError: for out-of-range hyperparameters or an unknown ``on_stall``, or (at ``init``/trace time)
       float16 parameters or gradients.
 
   Examples:
@@ -317,12 +365,12 @@ def dynamic_loss_scale(
                    min_scale=min_scale, max_scale=max_scale)
   validation.check_scale("init_scale", init_scale_, rule.min_scale, rule.max_scale)
   return _scaling(inner, init_scale_, rule, axis_name,
-                  validation.check_count("stall_after", stall_after))
+                  validation.check_count("stall_after", stall_after), _check_on_stall(on_stall))
 
 
 def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
                       axis_name: finite.AxisName = None,
-                      stall_after: int = DEFAULT_STALL_AFTER
+                      stall_after: int = DEFAULT_STALL_AFTER, on_stall: str = "warn"
                       ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with a fixed loss scale; non-finite steps are still skipped.
 
@@ -336,6 +384,7 @@ def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
     axis_name: as in :func:`dynamic_loss_scale`.
     stall_after: consecutive skipped steps after which the state reports the
       run as stalled, as in :func:`dynamic_loss_scale`.
+    on_stall: ``"warn"`` or ``"ignore"``, as in :func:`dynamic_loss_scale`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -350,4 +399,4 @@ def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
   """
   scale_ = validation.check_scale("scale", scale, DEFAULT_MIN_SCALE, DEFAULT_MAX_SCALE)
   return _scaling(inner, scale_, ScaleRule(dynamic=False), axis_name,
-                  validation.check_count("stall_after", stall_after))
+                  validation.check_count("stall_after", stall_after), _check_on_stall(on_stall))

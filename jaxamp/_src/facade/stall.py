@@ -19,12 +19,10 @@ import jax.numpy as jnp
 
 from jaxamp._src import finite
 from jaxamp._src import validation
+from jaxamp._src.loss_scale import StallWarning
 
 ON_STALL = ("warn", "raise", "ignore")
-
-
-class StallWarning(RuntimeWarning):
-  """A loss-scaled run has skipped every step for a while: its gradients never become finite."""
+__all__ = ["ON_STALL", "StallMonitor", "StallWarning", "StalledError"]
 
 
 class StalledError(RuntimeError):

@@ -212,12 +212,13 @@ class AmpOptimWrapper(OptimWrapper):
     if cfg.kind == "disabled":
       return inner
     if cfg.kind == "static":
-      return ls.static_loss_scale(inner, cfg.init_scale, stall_after=self._stall_after)
+      return ls.static_loss_scale(inner, cfg.init_scale, stall_after=self._stall_after,
+                                  on_stall="ignore")  # the wrapper reports stalls itself
     return ls.dynamic_loss_scale(
         inner, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
         backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval,
         hysteresis=cfg.hysteresis, min_scale=cfg.min_scale, max_scale=cfg.max_scale,
-        stall_after=self._stall_after)
+        stall_after=self._stall_after, on_stall="ignore")  # the wrapper reports stalls itself
 
   def _commit_step(self, params: Any, state: Any, norm: Optional[jax.Array]) -> None:
     super()._commit_step(params, state, norm)
