@@ -19,8 +19,12 @@ import pytest
 import jaxamp
 from tests.upstream._models import toy_loss, toy_model
 
+# Without jax_enable_x64 JAX computes float64 requests in float32 (and warns).
+pytestmark = pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64:UserWarning")
+
 amp_valid_dtypes = ["float64", "float32", "float16", "bfloat16", None]
 # mmengine's dtype=None autocasts to float16 (torch.autocast's default); jaxamp's casts nothing.
+# float64 is float32 without jax_enable_x64.
 target_dtypes = [jnp.float32, jnp.float32, jnp.float16, jnp.bfloat16, jnp.float32]
 
 

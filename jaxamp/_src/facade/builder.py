@@ -391,12 +391,16 @@ def build_optim_wrapper(params: Any, cfg: Mapping[str, Any]) -> OptimWrapper:
   cfg = dict(cfg)
   constructor = cfg.pop("constructor", None)
   if constructor not in (None, "DefaultOptimWrapperConstructor"):
-    raise ValueError(f"Unknown constructor {constructor!r}; accepted: "
-                     "['DefaultOptimWrapperConstructor']")
+    # mmengine's registry raises KeyError for a name it does not hold.
+    raise KeyError(f"Unknown constructor {constructor!r}; accepted: "
+                   "['DefaultOptimWrapperConstructor']")
   if "optimizer" not in cfg:
     raise AssertionValueError('`optim_wrapper_cfg` must contain "optimizer" config')
   optimizer_cfg = cfg.pop("optimizer")
   paramwise_cfg = cfg.pop("paramwise_cfg", None)
+  if paramwise_cfg is not None and not isinstance(paramwise_cfg, Mapping):
+    # Checked first, as mmengine's constructor does (a TypeError before any optimizer error).
+    raise TypeError(f"paramwise_cfg should be None or a dict, but got {type(paramwise_cfg)}")
   wrapper_cls = _wrapper_class(cfg.pop("type", "OptimWrapper"))
   accepted = (_WRAPPER_KEYS["AmpOptimWrapper"] if issubclass(wrapper_cls, AmpOptimWrapper)
               else _WRAPPER_KEYS["OptimWrapper"])

@@ -32,7 +32,6 @@ from jaxamp._src.facade import stall
 from jaxamp._src.facade.mmengine import sharding_pins
 from jaxamp._src.facade.mmengine.hyperparams import as_float
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
-from jaxamp._src.facade.mmengine.optim_wrapper import fusable
 
 _SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled",
                 "device", "hysteresis", "min_scale", "max_scale")
@@ -282,14 +281,12 @@ class AmpOptimWrapper(OptimWrapper):
       return super()._cast_fn()
     return policy.cast_to_compute
 
-  @fusable
   def step(self, closure: Optional[Callable] = None) -> None:
     """Unscales, clips, skips or applies, and adjusts the scale, in one jitted call."""
     if closure is not None and self._scaling:
       raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
     super().step(closure)
 
-  @fusable
   def backward(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
                **kwargs: Any) -> Any:
     """Adds the gradients of the scaled loss ``loss_fn(params, ...) * scale`` to :attr:`grads`.

@@ -44,15 +44,20 @@ from jaxamp._src.facade.scaled_loss import divide
 _unscale = jax.jit(finite.unscale)
 
 
-def fusable(method: Callable) -> Callable:
-  """Marks a method whose behaviour the fused backward+step path reproduces.
+# The methods update_params calls, in mmengine's order. It fuses them into one jitted call only
+# while none is overridden (by a subclass outside jaxamp or on the instance).
+_ITERATION_METHODS = ("scale_loss", "backward", "step", "zero_grad")
 
-  ``update_params`` fuses backward, step and ``zero_grad`` into one jitted
-  call only when the class's ``backward`` and ``step`` are both marked: a
-  subclass overriding either without the mark gets the unfused path.
-  """
-  method.jaxamp_fusable = True  # type: ignore[attr-defined]
-  return method
+
+def overrides_iteration(wrapper: Any) -> bool:
+  """Whether ``wrapper`` overrides a method that ``update_params`` calls (then it calls them)."""
+  for name in _ITERATION_METHODS:
+    if name in vars(wrapper):
+      return True
+    owner = next(c for c in type(wrapper).__mro__ if name in vars(c))
+    if not owner.__module__.startswith("jaxamp."):
+      return True
+  return False
 
 
 def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
@@ -225,6 +230,9 @@ class OptimWrapper:
     self._counter = AccumulationCounter(accumulative_counts)
     self._optimizer = check_optimizer(optimizer)
     self._clip = parse_clip_grad(clip_grad)
+    # mmengine keeps the clip_grad arguments without 'type'.
+    self.clip_grad_kwargs: Optional[dict] = (
+        None if clip_grad is None else {k: v for k, v in clip_grad.items() if k != "type"})
     self._params = trees.check_params(params)
     self._shardings = sharding_pins.param_shardings(self._params)
     self._tx = self._build_transformation()
@@ -239,6 +247,8 @@ class OptimWrapper:
     self._factors: Dict[float, jax.Array] = {}
     self._specs: Optional[List[hp.GroupSpec]] = None
     self._defaults: Optional[dict] = None
+    self._base_param_settings: Any = _UNSET
+    self.optimizer = WrappedOptimizer(self)
 
   # -- the transformation and its state ---------------------------------------------------------
 
@@ -324,6 +334,11 @@ class OptimWrapper:
       # PyTorch loop logs, the loss before scaler.scale).
       scale = loss_fn.scale if scale is None else state_lib.multiply_by_scale(loss_fn.scale, scale)
       loss_fn = functools.partial(_unscaled_call, loss_fn)
+    divisor = None
+    if isinstance(loss_fn, DividedLoss):
+      # scale_loss(loss_fn): differentiate the divided loss, return the loss itself (what
+      # update_params returns).
+      divisor, loss_fn = loss_fn.factor, loss_fn.fn
     loss_fn = self._compute_in_dtype(loss_fn)
 
     def objective(params):
@@ -339,6 +354,8 @@ class OptimWrapper:
       if loss.shape != ():
         raise TypeError(f"loss_fn must return a scalar loss, got shape {loss.shape}")
       value = divide(loss, factor)
+      if divisor is not None:
+        value = divide(value, divisor)
       if scale is not None:
         value = state_lib.multiply_by_scale(value, scale)
       return value, (loss, aux)
@@ -463,7 +480,14 @@ class OptimWrapper:
 
   # mmengine's attribute names, which ported hooks and tests read.
   _accumulative_counts = property(lambda self: self._counter.accumulative_counts)
-  _inner_count = property(lambda self: self._counter.inner_count)
+
+  @property
+  def _inner_count(self) -> int:
+    return self._counter.inner_count
+
+  @_inner_count.setter
+  def _inner_count(self, value: int) -> None:
+    self._counter.inner_count = value
   _max_counts = property(lambda self: self._counter.max_counts)
   _remainder_counts = property(lambda self: self._counter.remainder_counts)
 
@@ -517,7 +541,6 @@ class OptimWrapper:
     self._counter.inner_count += 1
     return out
 
-  @fusable
   def backward(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
                **kwargs: Any) -> Any:
     """Adds the gradients of ``loss_fn(params, *args, **kwargs)`` to :attr:`grads`.
@@ -592,7 +615,6 @@ class OptimWrapper:
       clipping.check_total_norm(norm, self._clip.norm_type)
     self._params, self._state, self._last_grad_norm = params, state, norm
 
-  @fusable
   def step(self, closure: Optional[Callable] = None) -> None:
     """Applies :attr:`grads` (clipping first, per ``clip_grad``); see :meth:`apply_gradients`."""
     if closure is not None:
@@ -606,9 +628,7 @@ class OptimWrapper:
     self._grads_scale = None
 
   def _can_fuse(self) -> bool:
-    cls = type(self)
-    return (getattr(cls.step, "jaxamp_fusable", False)
-            and getattr(cls.backward, "jaxamp_fusable", False)
+    return (not overrides_iteration(self)
             and not (self._clip is not None and self._clip.error_if_nonfinite))
 
   def update_params(self, loss_fn: Callable[..., Any], *args: Any,
@@ -616,9 +636,11 @@ class OptimWrapper:
                     has_aux: bool = False, **kwargs: Any) -> Any:
     """One training iteration: :meth:`scale_loss`, :meth:`backward`, and step when due.
 
-    When :meth:`should_update` is true after the backward pass, the
-    parameters are stepped (:meth:`step`) and the gradients cleared
-    (:meth:`zero_grad`); the three run as one jitted call.
+    As mmengine: ``self.backward(self.scale_loss(loss_fn), ...)``, then,
+    when :meth:`should_update` is true, ``self.step()`` and
+    ``self.zero_grad()``, so a subclass (or an instance) overriding any of
+    them sees its override called. When none is overridden, the three run as
+    one jitted call.
 
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs)`` returns a scalar loss
@@ -647,7 +669,7 @@ class OptimWrapper:
       self._grads = None
       self.zero_grad(**zero_kwargs)
       return out
-    out = self._run_backward(loss_fn, args, kwargs, has_aux, factor)
+    out = self.backward(self.scale_loss(loss_fn), *args, has_aux=has_aux, **kwargs)
     if self.should_update():
       self.step(**step_kwargs)
       self.zero_grad(**zero_kwargs)
@@ -704,10 +726,37 @@ class OptimWrapper:
     self._state = self._with_opt(self._state, opt_state)
     self._group_specs()[index].mirror[key] = value
 
-  @property
-  def param_groups(self) -> List[hp.ParamGroup]:
-    """The parameter groups: live views of the hyperparameters (see :class:`ParamGroup`)."""
+  def _optimizer_groups(self) -> List[hp.ParamGroup]:
     return [hp.ParamGroup(self, i) for i in range(len(self._group_specs()))]
+
+  @property
+  def base_param_settings(self) -> Optional[dict]:
+    """mmengine's base group: ``None`` with one parameter group, else the defaults.
+
+    With several parameter groups mmengine appends ``{'params': ..., **defaults}``
+    to :attr:`param_groups`, so that schedulers scale it like the others and
+    ``get_lr()`` reports it as ``'base_lr'``. Its ``'params'`` is ``[]``.
+    """
+    if self._base_param_settings is _UNSET:
+      if len(self._group_specs()) > 1:
+        self._base_param_settings = {"params": [], **self.defaults}
+      else:
+        self._base_param_settings = None
+    return self._base_param_settings
+
+  @base_param_settings.setter
+  def base_param_settings(self, value: Optional[dict]) -> None:
+    self._base_param_settings = value
+
+  @property
+  def param_groups(self) -> List[Any]:
+    """``optimizer.param_groups``, plus :attr:`base_param_settings` when there are several.
+
+    The groups are live views of the hyperparameters (see :class:`ParamGroup`).
+    """
+    groups: List[Any] = self._optimizer_groups()
+    base = self.base_param_settings
+    return groups if base is None else groups + [base]
 
   @property
   def defaults(self) -> dict:
@@ -718,7 +767,7 @@ class OptimWrapper:
     hyperparameters when first asked for, or ``{}`` when nothing is injected.
     """
     if self._defaults is None:
-      group = self.param_groups[0]
+      group = self._optimizer_groups()[0]
       self._defaults = {k: group[k] for k in group if k != "params"}
     return dict(self._defaults)
 
@@ -730,10 +779,13 @@ class OptimWrapper:
           "optax.inject_hyperparams state. Build it as, e.g., "
           "optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), or with "
           "jaxamp.build_optim_wrapper, to make the hyperparameters readable and settable.")
-    return self.param_groups
+    return self._optimizer_groups()
 
   def get_lr(self) -> Dict[str, List[float]]:
     """``{'lr': [learning rate of each parameter group]}`` (Python floats).
+
+    As mmengine, with several parameter groups ``'base_lr'`` holds the
+    learning rate of :attr:`base_param_settings` too.
 
     Raises:
       ValueError: when the optimizer has no injected hyperparameters.
@@ -743,6 +795,9 @@ class OptimWrapper:
       if "lr" not in group:
         raise ValueError(f"A parameter group has no injected learning rate: {dict(group)!r}")
       lrs.append(group["lr"])
+    base = self.base_param_settings
+    if base is not None:
+      return dict(base_lr=[base["lr"]], lr=lrs)
     return dict(lr=lrs)
 
   def get_momentum(self) -> Dict[str, List[float]]:
@@ -763,24 +818,50 @@ class OptimWrapper:
 
   # -- state dict -------------------------------------------------------------------------------
 
-  def state_dict(self) -> dict:
-    """``{'state': <optax state of optimizer>, 'param_groups': [...]}``.
-
-    ``state`` holds device arrays (no copy, shardings kept; with
-    ``donate=True`` on-device copies, so that the next step, which donates
-    the wrapper's buffers, leaves them valid); ``param_groups`` the groups'
-    names and hyperparameters as Python values.
-    """
+  def _optimizer_state_dict(self) -> dict:
     groups = []
-    for group in self.param_groups:
+    for group in self._optimizer_groups():
       groups.append({k: group[k] for k in group})
     state = self.opt_state
     if self._donate:
       state = jax.tree.map(jnp.copy, state)
     return {"state": state, "param_groups": groups}
 
+  def state_dict(self) -> dict:
+    """``{'state': <optax state of optimizer>, 'param_groups': [...]}``.
+
+    ``state`` holds device arrays (no copy, shardings kept; with
+    ``donate=True`` on-device copies, so that the next step, which donates
+    the wrapper's buffers, leaves them valid); ``param_groups`` the groups'
+    names and hyperparameters as Python values. As mmengine, with several
+    parameter groups ``'base_param_settings'`` is added.
+    """
+    out = self._optimizer_state_dict()
+    base = self.base_param_settings
+    if base is not None:
+      out["base_param_settings"] = dict(base)
+    return out
+
   def _prepare_load(self, state_dict: Any) -> Callable[[], None]:
     """Validates ``state_dict`` fully; returns the function that installs it."""
+    if not isinstance(state_dict, Mapping):
+      raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    state_dict = dict(state_dict)
+    base = state_dict.pop("base_param_settings", None)
+    if base is not None and not isinstance(base, Mapping):
+      raise TypeError(f"state_dict['base_param_settings'] must be a dict, got "
+                      f"{type(base).__name__}")
+    commit_optimizer = self._prepare_optimizer_load(state_dict)
+
+    def commit():
+      commit_optimizer()
+      if base is not None:
+        self.base_param_settings = dict(base)
+
+    return commit
+
+  def _prepare_optimizer_load(self, state_dict: Any) -> Callable[[], None]:
+    """Validates an ``optimizer.state_dict()``; returns the function that installs it."""
     if not isinstance(state_dict, Mapping):
       raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     expected = {"state", "param_groups"}
@@ -815,6 +896,52 @@ class OptimWrapper:
             f"{self._counter.accumulative_counts}\n"
             f"optimizer: \n{self._optimizer!r}\n")
 
+
+
+_UNSET = object()
+
+
+class WrappedOptimizer:
+  """``optim_wrapper.optimizer``: the optax transformation with ``torch.optim.Optimizer``'s books.
+
+  mmengine's hooks, parameter schedulers and loops read and write
+  ``optim_wrapper.optimizer.param_groups``; here they are live views of the
+  hyperparameters in the wrapper's optax state (see
+  :class:`~jaxamp._src.facade.mmengine.hyperparams.ParamGroup`): writing
+  ``param_groups[i]['lr']`` takes effect at the next step, without a
+  recompilation. ``state_dict()``/``load_state_dict()`` are the
+  optimizer's (without mmengine's ``base_param_settings``);
+  :attr:`transformation` is the optax transformation itself.
+  """
+
+  def __init__(self, wrapper: OptimWrapper):
+    self._wrapper = wrapper
+
+  @property
+  def transformation(self) -> optax.GradientTransformation:
+    """The optax transformation the wrapper was built with."""
+    return self._wrapper._optimizer  # noqa: SLF001
+
+  @property
+  def param_groups(self) -> List[hp.ParamGroup]:
+    """One live view per parameter group (one per ``inject_hyperparams`` state)."""
+    return self._wrapper._optimizer_groups()  # noqa: SLF001
+
+  @property
+  def defaults(self) -> dict:
+    """The default hyperparameters (PyTorch names), as ``Optimizer.defaults``."""
+    return self._wrapper.defaults
+
+  def state_dict(self) -> dict:
+    """``{'state': <optax state>, 'param_groups': [...]}``."""
+    return self._wrapper._optimizer_state_dict()  # noqa: SLF001
+
+  def load_state_dict(self, state_dict: dict) -> None:
+    """Loads a :meth:`state_dict`; validates everything before changing anything."""
+    self._wrapper._prepare_optimizer_load(state_dict)()  # noqa: SLF001
+
+  def __repr__(self) -> str:
+    return repr(self.transformation)
 
 
 def install_group_specs(wrapper: OptimWrapper, specs: List[hp.GroupSpec], defaults: dict) -> None:
