@@ -88,6 +88,11 @@ class GradScaler:
     :class:`jaxamp.GradScaler` reports it (``on_stall``, ``stall_after``,
     ``stall_check_every``); Paddle skips silently, forever.
 
+  The defaults are Paddle 3.3.1's ``paddle.amp.GradScaler`` (65536, x2
+  after 2000 good steps, x0.5 after every bad one). Paddle's older
+  ``AmpScaler`` defaults to 32768/1000/1 and the 2.x documentation of
+  ``GradScaler`` gave 32768/1000/2: pass those values to reproduce such a run.
+
   Args:
     enable: whether to scale at all.
     init_loss_scaling: the initial scale, positive and finite.
@@ -123,9 +128,9 @@ class GradScaler:
     Array(256., dtype=float32)
   """
 
-  def __init__(self, enable: bool = True, init_loss_scaling: float = 32768.0,
+  def __init__(self, enable: bool = True, init_loss_scaling: float = 65536.0,
                incr_ratio: float = 2.0, decr_ratio: float = 0.5,
-               incr_every_n_steps: int = 1000, decr_every_n_nan_or_inf: int = 2,
+               incr_every_n_steps: int = 2000, decr_every_n_nan_or_inf: int = 1,
                use_dynamic_loss_scaling: bool = True, *, on_stall: str = "warn",
                stall_after: int = loss_scale.DEFAULT_STALL_AFTER,
                stall_check_every: int = 10) -> None:
