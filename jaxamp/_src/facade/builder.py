@@ -382,8 +382,8 @@ def build_optim_wrapper(params: Any, cfg: Mapping[str, Any]) -> OptimWrapper:
     ...     paramwise_cfg=dict(bias_decay_mult=0.0,
     ...                        custom_keys={'backbone': dict(lr_mult=0.1)})))
     >>> wrapper.get_lr()
-    {'lr': [0.010000000000000002, 0.1, 0.1]}
-    >>> [(g['params'], g['weight_decay']) for g in wrapper.param_groups]
+    {'base_lr': [0.1], 'lr': [0.010000000000000002, 0.1, 0.1]}
+    >>> [(g['params'], g['weight_decay']) for g in wrapper.optimizer.param_groups]
     [(['backbone.bias', 'backbone.kernel'], 0.0001), (['head.bias'], 0.0), (['head.kernel'], 0.0001)]
   """
   if not isinstance(cfg, Mapping):

@@ -116,7 +116,7 @@ class GradScaler:
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
     >>> opt = jaxamp.OptimWrapper(optax.sgd(0.5), {'w': jnp.ones(2)})
-    >>> scaler = jaxamp.paddle.GradScaler(init_loss_scaling=1024)
+    >>> scaler = jaxamp.paddle.GradScaler(init_loss_scaling=1024, decr_every_n_nan_or_inf=2)
     >>> loss_fn = lambda params, x: jnp.sum(params['w'] * x)
     >>> for x in (jnp.array([jnp.inf, 1.0]), jnp.array([1.0, 2.0]), jnp.array([jnp.nan, 1.0])):
     ...   loss = opt.backward(scaler.scale(loss_fn), x)

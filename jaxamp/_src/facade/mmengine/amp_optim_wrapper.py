@@ -17,19 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from jaxamp._src import finite
 from jaxamp._src import state as state_lib
 from jaxamp._src import autocast as autocast_lib
-from jaxamp._src import clipping
 from jaxamp._src import loss_scale as ls
 from jaxamp._src import policy as policy_lib
 from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionTypeError
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade import stall
-from jaxamp._src.facade.mmengine import sharding_pins
 from jaxamp._src.facade.mmengine.hyperparams import as_float
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
 
@@ -235,45 +231,12 @@ class AmpOptimWrapper(OptimWrapper):
   def _scaling(self) -> bool:
     return self._scaler.kind != "disabled"
 
-  def _inner_of(self, state: Any) -> Any:
-    return state.inner_state if self._scaling else state
-
-  def _with_inner(self, state: Any, inner: Any) -> Any:
-    return state._replace(inner_state=inner) if self._scaling else inner
-
-  def _loss_scale_of(self, state: Any) -> Optional[jax.Array]:
-    return state.scale if self._scaling else None
-
   def _compute_in_dtype(self, loss_fn: Callable) -> Callable:
     if self._amp_policy is None:
       return loss_fn
     if self._cast == "autocast" and self.cast_dtype in (jnp.float16, jnp.bfloat16):
       return autocast_lib.autocast(loss_fn, self.cast_dtype)
     return policy_lib.mixed_precision(loss_fn, self._amp_policy)
-
-  def _update(self, params, state, grads, skip):
-    if not self._scaling:
-      return super()._update(params, state, grads, skip)
-    grads = sharding_pins.constrain(grads, self._shardings)
-    updates, new_state = self._tx.update(grads, state, params)
-    new_params = optax.apply_updates(params, updates)
-    # A skipped step leaves the params bit-identical (even -0.0, which + 0 would turn to 0.0).
-    # (Kept as a select with donation too: a conditional here would split the update from the
-    # addition and change the rounding, e.g. where XLA contracts them into one multiply-add.)
-    new_params = optax.tree.where(new_state.skipped, params, new_params)
-    norm = None
-    if self._clip is not None and self._clip.kind == "norm":
-      recorded = new_state.inner_state[0].total_norm
-      order = self._clip.norm_type
-      # A skipped step keeps the old inner state; measure the (non-finite) norm then.
-      norm = lax.cond(
-          new_state.skipped,
-          lambda: clipping.total_grad_norm(finite.unscale(grads, state.scale), order),
-          lambda: recorded)
-    if skip is not None:
-      new_params = optax.tree.where(skip, params, new_params)
-      new_state = optax.tree.where(skip, state, new_state)
-    return sharding_pins.constrain(new_params, self._shardings), new_state, norm
 
   def _cast_fn(self) -> Callable[[Any], Any]:
     policy = self._amp_policy
@@ -381,7 +344,7 @@ class AmpOptimWrapper(OptimWrapper):
       if new_cfg != self._scaler:
         self._scaler = new_cfg
         self._tx = self._build_transformation()
-        self._drop_jits()
+        self._build_steps()
       old = state
       return old._replace(
           scale=jax.device_put(np.float32(scale), old.scale.sharding),

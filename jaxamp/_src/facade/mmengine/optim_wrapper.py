@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 from jaxamp._src import state as state_lib
 from jaxamp._src import finite
@@ -42,6 +43,30 @@ from jaxamp._src.facade.scaled_loss import DividedLoss
 from jaxamp._src.facade.scaled_loss import divide
 
 _unscale = jax.jit(finite.unscale)
+
+
+class OptimizerState(NamedTuple):
+  """The state of the wrapped optimizer, marked so the wrapper finds it by type in its state."""
+
+  state: Any
+
+
+def _marked(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``optimizer`` with its state held in an :class:`OptimizerState`."""
+
+  def init_fn(params):
+    return OptimizerState(optimizer.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, inner = optimizer.update(updates, state.state, params, **extra_args)
+    return updates, OptimizerState(inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def loss_scale_of(state: Any) -> Optional[state_lib.LossScaleState]:
+  """The wrapper's own loss-scale state: the root of its state, when it scales."""
+  return state if isinstance(state, state_lib.LossScaleState) else None
 
 
 # The methods update_params calls, in mmengine's order. It fuses them into one jitted call only
@@ -242,8 +267,7 @@ class OptimWrapper:
     # ``grads`` reads them divided by this (unscaled on first read).
     self._grads_scale: Optional[jax.Array] = None
     self._last_grad_norm: Optional[jax.Array] = None
-    self._jits: Dict[str, Callable] = {}
-    self._retraces = RetraceWatch()
+    self._build_steps()
     self._factors: Dict[float, jax.Array] = {}
     self._specs: Optional[List[hp.GroupSpec]] = None
     self._defaults: Optional[dict] = None
@@ -256,32 +280,17 @@ class OptimWrapper:
     return sharding_pins.replicate_scalars(self._tx.init(params), params)
 
   def _inner_transformation(self) -> optax.GradientTransformation:
+    """``chain(clip, optimizer)`` (or ``optimizer``), the optimizer's state marked by type."""
     if self._clip is None:
-      return self._optimizer
-    return optax.chain(self._clip.transformation(), self._optimizer)
+      return _marked(self._optimizer)
+    return optax.chain(self._clip.transformation(), _marked(self._optimizer))
 
   def _build_transformation(self) -> optax.GradientTransformation:
     return self._inner_transformation()
 
-  def _inner_of(self, state: Any) -> Any:
-    """The state of ``chain(clip, optimizer)`` (or of ``optimizer``) inside the full state."""
-    return state
-
-  def _with_inner(self, state: Any, inner: Any) -> Any:
-    del state
-    return inner
-
-  def _opt_of(self, state: Any) -> Any:
-    inner = self._inner_of(state)
-    return inner if self._clip is None else inner[1]
-
   def _with_opt(self, state: Any, opt_state: Any) -> Any:
-    inner = opt_state if self._clip is None else (self._inner_of(state)[0], opt_state)
-    return self._with_inner(state, inner)
-
-  def _loss_scale_of(self, state: Any) -> Optional[jax.Array]:
-    del state
-    return None
+    """``state`` with the optimizer's state replaced by ``opt_state``."""
+    return state_lib.replace_states(state, OptimizerState, lambda _: OptimizerState(opt_state))
 
   def _compute_in_dtype(self, loss_fn: Callable) -> Callable:
     """``loss_fn`` as it runs in the compute dtype (as written, here)."""
@@ -294,37 +303,20 @@ class OptimWrapper:
     """Whether the jitted steps donate the wrapper's buffers (see the class notes)."""
     return self._donate
 
-  def _drop_jits(self) -> None:
-    """Forgets the jitted steps (the transformation changed): the next calls compile anew."""
-    self._jits.clear()
-    self._retraces = RetraceWatch()
+  def _build_steps(self) -> None:
+    """(Re)builds the jitted steps from ``self._tx``: the next calls compile anew.
 
-  def _jitted(self, name: str) -> Callable:
-    fn = self._jits.get(name)
-    if fn is None:
-      # Only buffers that an output of the same shape can reuse are donated
-      # (XLA warns about the others): params and state into the new params
-      # and state, the accumulated gradients into the new sum.
-      donated: Tuple[int, ...] = ()
-      if name in ("grad", "grad_acc"):
-        if self._donate and name == "grad_acc":
-          donated = (1,)
-        fn = jax.jit(functools.partial(self._grad_impl, name), static_argnums=(5,),
-                     donate_argnums=donated)
-      elif name in ("fused", "fused_acc"):
-        if self._donate:
-          donated = (0, 1)
-        fn = jax.jit(functools.partial(self._fused_impl, name), static_argnums=(5,),
-                     donate_argnums=donated)
-      elif name in ("apply", "apply_skip", "apply_scaled"):
-        if self._donate:
-          donated = (0, 1)
-        impl = self._apply_scaled_impl if name == "apply_scaled" else self._apply_impl
-        fn = jax.jit(functools.partial(impl, name), donate_argnums=donated)
-      else:  # pragma: no cover
-        raise KeyError(name)
-      self._jits[name] = fn
-    return fn
+    Only buffers that an output of the same shape can reuse are donated (XLA
+    warns about the others): params and state into the new params and
+    state, the accumulated gradients into the new sum.
+    """
+    both: Tuple[int, ...] = (0, 1) if self._donate else ()
+    self._grad_step = jax.jit(self._grad_impl, static_argnums=(5,),
+                              donate_argnums=(1,) if self._donate else ())
+    self._fused_step = jax.jit(self._fused_impl, static_argnums=(5,), donate_argnums=both)
+    self._apply_step = jax.jit(self._apply_impl, donate_argnums=both)
+    self._apply_scaled_step = jax.jit(self._apply_scaled_impl, donate_argnums=both)
+    self._retraces = RetraceWatch()
 
   def _objective(self, spec: CallSpec, dynamic: Sequence[Any], factor: jax.Array,
                  scale: Optional[jax.Array]) -> Callable:
@@ -368,11 +360,10 @@ class OptimWrapper:
     out = (loss, aux) if spec.has_aux else loss
     return out, grads
 
-  # The traced implementations take the jitted function's name first (``'grad'``,
-  # ``'apply_skip'``, ...), the key of ``_jits``.
+  # The traced implementations of the jitted steps.
 
-  def _grad_impl(self, name, params, buffer, dynamic, factor, scale, spec):
-    self._retraces.traced(name, spec, dynamic, params)
+  def _grad_impl(self, params, buffer, dynamic, factor, scale, spec):
+    self._retraces.traced(("backward", buffer is None), spec, dynamic, params)
     out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
     if buffer is not None:
       # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
@@ -380,38 +371,55 @@ class OptimWrapper:
     return out, sharding_pins.constrain(grads, self._shardings)
 
   def _update(self, params, state, grads, skip):
-    """Traced: one optimizer step. Returns ``(params, state, grad_norm)``."""
+    """Traced: one optimizer step. Returns ``(params, state, grad_norm)``.
+
+    The only update path: ``self._tx`` (with :class:`AmpOptimWrapper` the
+    core's loss scaling, which skips a non-finite step by selection), and,
+    with an external ``skip``, the core's selection around it (no copy of
+    the state).
+    """
     grads = sharding_pins.constrain(grads, self._shardings)
     if skip is None:
       updates, new_state = self._tx.update(grads, state, params)
     else:
-      # The step counts only where not skipped, selected where the optimizer
-      # computes it (no copy of the state); the clipping state, with the norm,
-      # advances either way.
       updates, new_state = selective_update.select_update(
           jnp.logical_not(skip), lambda: self._tx.update(grads, state, params), state)
-      if self._clip is not None:
-        _, clip_state = self._clip.transformation().update(grads, self._inner_of(state)[0], params)
-        new_state = self._with_inner(new_state, (clip_state, self._opt_of(new_state)))
     new_params = optax.apply_updates(params, updates)
-    norm = None
-    if self._clip is not None and self._clip.kind == "norm":
-      norm = self._inner_of(new_state)[0].total_norm
+    norm = self._grad_norm(state, new_state, grads, skip)
     return sharding_pins.constrain(new_params, self._shardings), new_state, norm
 
-  def _apply_impl(self, name, params, state, grads, skip=None):
-    del name
+  def _grad_norm(self, state, new_state, grads, skip) -> Optional[jax.Array]:
+    """Traced: the total norm before clipping (``None`` without norm clipping).
+
+    The clipping state records it when the step is applied; a skipped step
+    (an external ``skip``, or a non-finite step the loss scaling skipped)
+    keeps the old state, so the norm of its (unscaled) gradients is measured.
+    """
+    if self._clip is None or self._clip.kind != "norm":
+      return None
+    recorded = state_lib.find_states(new_state, state_lib.ClipGradNormState)[0].total_norm
+    scaling = loss_scale_of(state)
+    flags = [f for f in (skip, None if scaling is None else loss_scale_of(new_state).skipped)
+             if f is not None]
+    if not flags:
+      return recorded
+    unscaled = grads if scaling is None else finite.unscale(grads, scaling.scale)
+    return lax.cond(functools.reduce(jnp.logical_or, flags),
+                    lambda: clipping.total_grad_norm(unscaled, self._clip.norm_type),
+                    lambda: recorded)
+
+  def _apply_impl(self, params, state, grads, skip=None):
     return self._update(params, state, grads, skip)
 
-  def _apply_scaled_impl(self, name, params, state, grads, scale):
+  def _apply_scaled_impl(self, params, state, grads, scale):
     found_inf = jnp.logical_not(finite.unscaled_all_finite(grads, scale))
-    params, state, norm = self._apply_impl(name, params, state, finite.unscale(grads, scale),
-                                           found_inf)
+    params, state, norm = self._update(params, state, finite.unscale(grads, scale), found_inf)
     return params, state, norm, found_inf
 
-  def _fused_impl(self, name, params, state, buffer, dynamic, factor, spec):
-    self._retraces.traced(name, spec, dynamic, params)
-    scale = self._loss_scale_of(state)
+  def _fused_impl(self, params, state, buffer, dynamic, factor, spec):
+    self._retraces.traced(("update_params", buffer is None), spec, dynamic, params)
+    scaling = loss_scale_of(state)
+    scale = None if scaling is None else scaling.scale
     out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
     if buffer is not None:
       # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
@@ -440,7 +448,7 @@ class OptimWrapper:
   @property
   def opt_state(self) -> Any:
     """The optax state of ``optimizer`` (without the clipping or loss-scale state)."""
-    return self._opt_of(self._state)
+    return state_lib.find_states(self._state, OptimizerState)[0].state
 
   @property
   def grads(self) -> Optional[Any]:
@@ -533,10 +541,9 @@ class OptimWrapper:
                     factor: float) -> Any:
     dynamic, spec = split_call(loss_fn, args, kwargs, has_aux)
     buffer = self.grads
-    name = "grad" if buffer is None else "grad_acc"
-    scale = self._loss_scale_of(self._state)
-    out, grads = self._jitted(name)(self._params, buffer, dynamic, self._factor(factor),
-                                    scale, spec)
+    scaling = loss_scale_of(self._state)
+    scale = None if scaling is None else scaling.scale
+    out, grads = self._grad_step(self._params, buffer, dynamic, self._factor(factor), scale, spec)
     self._grads = grads
     self._counter.inner_count += 1
     return out
@@ -575,13 +582,13 @@ class OptimWrapper:
     if grads is None:
       return
     if skip is None:
-      result = self._jitted("apply")(self._params, self._state, grads)
+      result = self._apply_step(self._params, self._state, grads)
     else:
       skip = jnp.asarray(skip)
       if skip.shape != () or skip.dtype != jnp.bool_:
         raise ValueError(f"skip must be a boolean scalar, got dtype {skip.dtype} and shape "
                          f"{skip.shape}")
-      result = self._jitted("apply_skip")(self._params, self._state, grads, skip)
+      result = self._apply_step(self._params, self._state, grads, skip)
     self._commit_step(*result)
 
   def apply_scaled_gradients(self, scale: Any) -> Optional[jax.Array]:
@@ -604,8 +611,8 @@ class OptimWrapper:
     if grads is None:
       return None
     scale = jnp.asarray(scale, jnp.float32)
-    params, state, norm, found_inf = self._jitted("apply_scaled")(self._params, self._state,
-                                                                 grads, scale)
+    params, state, norm, found_inf = self._apply_scaled_step(self._params, self._state, grads,
+                                                            scale)
     self._commit_step(params, state, norm)
     self._grads_scale = scale
     return found_inf
@@ -660,10 +667,8 @@ class OptimWrapper:
     factor = float(self._counter.loss_factor())
     if self.should_sync() and self._can_fuse() and not step_kwargs:
       dynamic, spec = split_call(loss_fn, args, kwargs, has_aux)
-      buffer = self.grads
-      name = "fused" if buffer is None else "fused_acc"
-      out, params, state, norm = self._jitted(name)(
-          self._params, self._state, buffer, dynamic, self._factor(factor), spec)
+      out, params, state, norm = self._fused_step(
+          self._params, self._state, self.grads, dynamic, self._factor(factor), spec)
       self._counter.inner_count += 1
       self._commit_step(params, state, norm)
       self._grads = None
