@@ -395,17 +395,18 @@ class OptimWrapper:
     (an external ``skip``, or a non-finite step the loss scaling skipped)
     keeps the old state, so the norm of its (unscaled) gradients is measured.
     """
-    if self._clip is None or self._clip.kind != "norm":
+    clip = self._clip
+    if clip is None or clip.kind != "norm":
       return None
     recorded = state_lib.find_states(new_state, state_lib.ClipGradNormState)[0].total_norm
-    scaling = loss_scale_of(state)
-    flags = [f for f in (skip, None if scaling is None else loss_scale_of(new_state).skipped)
+    scaling, new_scaling = loss_scale_of(state), loss_scale_of(new_state)
+    flags = [f for f in (skip, None if new_scaling is None else new_scaling.skipped)
              if f is not None]
     if not flags:
       return recorded
     unscaled = grads if scaling is None else finite.unscale(grads, scaling.scale)
     return lax.cond(functools.reduce(jnp.logical_or, flags),
-                    lambda: clipping.total_grad_norm(unscaled, self._clip.norm_type),
+                    lambda: clipping.total_grad_norm(unscaled, clip.norm_type),
                     lambda: recorded)
 
   def _apply_impl(self, params, state, grads, skip=None):

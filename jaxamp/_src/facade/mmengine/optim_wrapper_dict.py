@@ -69,7 +69,7 @@ class OptimWrapperDict(OptimWrapper):
     PyTorch's ``loss.backward()`` fills the gradients of every model the loss
     depends on; here ``loss_fn({name: params, ...}, *args, **kwargs)`` takes
     the parameters of every wrapper by name, and its gradient with respect to
-    each wrapper's parameters is added to that wrapper's :attr:`grads`. So
+    each wrapper's parameters is added to that wrapper's ``grads``. So
     PyTorch's "multiple models, losses and optimizers" recipe takes one
     forward and backward pass per loss::
 
