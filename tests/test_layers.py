@@ -13,8 +13,8 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "jaxamp" / "_src"
 
 LAYERS = [
     ["validation", "sharding", "numerics", "policy", "autocast_ops", "facade.errors",
-     "facade.mmengine.trees", "facade.mmengine.sharding_pins"],
-    ["state", "finite", "autocast"],
+     "facade.mmengine.sharding_pins"],
+    ["state", "finite", "autocast", "facade.mmengine.trees"],
     ["selective_update", "clipping", "facade.scaled_loss"],
     ["loss_scale", "accumulation", "microbatch", "train_state", "nnx_optimizer"],
     ["facade.stall", "facade.mmengine.counting", "facade.mmengine.clip",

@@ -43,7 +43,6 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Seque
 import jax
 import jax.numpy as jnp
 import optax
-import numpy as np
 
 from jaxamp._src import finite
 from jaxamp._src import loss_scale
@@ -302,9 +301,7 @@ def _update_fn(rule: loss_scale.ScaleRule, stall_after: int
 _KIND = "loss-scaling hyperparameters"
 
 
-def is_array(x: Any) -> bool:
-  """Whether ``x`` is a JAX or numpy array (or numpy scalar)."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+is_array = validation.is_array
 
 
 def as_float(name: str, value: Any) -> float:

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._src import validation
+
 
 def _key_name(key: Any) -> str:
   if isinstance(key, jax.tree_util.DictKey):
@@ -48,9 +50,7 @@ def param_names(params: Any) -> List[str]:
           for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
-def is_array(x: Any) -> bool:
-  """Whether ``x`` is a JAX or numpy array (or numpy scalar)."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+is_array = validation.is_array
 
 
 def where(path: Sequence[Any]) -> str:
