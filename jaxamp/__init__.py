@@ -2,7 +2,7 @@
 
 from jaxamp import paddle
 from jaxamp._src.accumulation import accumulate_gradients
-from jaxamp._src.autocast import autocast
+from jaxamp._src.autocast import AutocastWarning, autocast
 from jaxamp._src.clipping import clip_grad_norm
 from jaxamp._src.clipping import clip_grad_value
 from jaxamp._src.clipping import total_grad_norm
@@ -17,6 +17,7 @@ from jaxamp._src.facade.torch import clip_grad_norm_
 from jaxamp._src.loss_scale import dynamic_loss_scale
 from jaxamp._src.loss_scale import static_loss_scale
 from jaxamp._src.microbatch import microbatch_value_and_grad
+from jaxamp._src.outside import validate_opt_state
 from jaxamp._src.finite import all_finite
 from jaxamp._src.policy import Policy
 from jaxamp._src.policy import get_policy
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AccumulationState",
     "AmpOptimWrapper",
+    "AutocastWarning",
     "ClipGradNormState",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
@@ -84,4 +86,5 @@ __all__ = (
     "total_grad_norm",
     "update_applied",
     "upgrade_opt_state",
+    "validate_opt_state",
 )

@@ -114,14 +114,18 @@ def test_overrides_replace_a_primitive_rule():
 
 
 def test_unknown_primitives_run_at_their_traced_dtypes():
-  # reduce_precision is not in any list once overridden 'off'; a primitive with a jaxpr
-  # that autocast does not recurse into (lax.reduce with a custom computation) runs as traced.
+  # A primitive with a body autocast does not recurse into (lax.reduce with a custom
+  # computation) runs as traced, and autocast says so once, naming it.
   def f(x, w):
     h = x @ w
-    return lax.reduce(h, 0.0, lambda a, b: a + b * 1.0, (1,))
+    return lax.reduce(h, 0.0, lambda a, b: a + b * 1.0, (1,)) + lax.reduce(
+        h, 1.0, lambda a, b: a * b * 1.0, (1,))
 
-  dtypes = in_dtypes(jaxamp.autocast(f), X, W, prim="reduce")
-  assert dtypes == [(F32, F32)]
+  with pytest.warns(jaxamp.AutocastWarning, match="cannot interpret 'reduce'") as record:
+    dtypes = in_dtypes(jaxamp.autocast(f), X, W, prim="reduce")
+  assert len(record) == 1
+  assert dtypes == [(F32, F32), (F32, F32)]
+  # The trace is cached: the second call says nothing more.
   np.testing.assert_allclose(jaxamp.autocast(f)(X, W), f(X, W), rtol=1e-2, atol=1e-2)
 
 

@@ -12,8 +12,9 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parent.parent / "jaxamp" / "_src"
 
 LAYERS = [
-    ["validation", "sharding", "numerics", "policy", "autocast_ops", "facade.errors",
-     "facade.mmengine.sharding_pins"],
+    ["validation", "sharding", "numerics", "policy", "autocast_ops", "jaxpr_interp",
+     "facade.errors", "facade.mmengine.sharding_pins"],
+    ["outside"],
     ["state", "finite", "autocast", "facade.mmengine.trees"],
     ["selective_update", "clipping", "facade.scaled_loss"],
     ["loss_scale", "accumulation", "microbatch", "train_state", "nnx_optimizer"],
@@ -25,6 +26,8 @@ LAYERS = [
     ["facade.builder"],
 ]
 RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
+# Upward imports made inside a function, at call time, as docs/design.md records them.
+LAZY = {("outside", "state")}
 
 
 def _modules():
@@ -70,7 +73,7 @@ def test_every_module_has_a_layer():
 def test_imports_point_down():
   upward = [f"{module} (layer {RANK[module]}) imports {dep} (layer {RANK.get(dep)})"
             for module, path in _modules() for dep in sorted(_imports(path.read_text()))
-            if dep in RANK and RANK[dep] >= RANK[module]]
+            if dep in RANK and RANK[dep] >= RANK[module] and (module, dep) not in LAZY]
   assert upward == []
 
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import sys
 import threading
+import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jaxamp._src import autocast_ops as ops
+from jaxamp._src import jaxpr_interp as interp
 from jaxamp._src import policy as policy_lib
 
 _F32 = jnp.dtype(jnp.float32)
@@ -120,73 +122,74 @@ def _cast_like(vals, dtypes):
 # ----------------------------------------------------------------------------- interpreter
 
 
-def _closed(jaxpr) -> jex.core.ClosedJaxpr:
-  if isinstance(jaxpr, jex.core.ClosedJaxpr):
-    return jaxpr
-  return jex.core.ClosedJaxpr(jaxpr, ())
+class AutocastWarning(UserWarning):
+  """autocast met an equation it cannot interpret and runs it at the dtypes it was traced with."""
 
 
-def _eval_closed(closed, args, cfg: _Config):
-  closed = _closed(closed)
-  return _eval(closed.jaxpr, closed.consts, args, cfg)
+class _Run:
+  """One trace's interpretation: its rules, and the primitives it has warned about."""
+
+  def __init__(self, cfg: _Config):
+    self.cfg = cfg
+    self.warned: set = set()
+
+  def fall_back(self, eqn, invals, reason: str):
+    """Warns once per primitive and runs ``eqn`` at its traced dtypes."""
+    name = eqn.primitive.name
+    if name not in self.warned:
+      self.warned.add(name)
+      warnings.warn(f"jaxamp.autocast cannot interpret {name!r} ({reason}); it runs at the "
+                    "dtypes the function was traced with, the operations inside it included",
+                    AutocastWarning, stacklevel=2)
+    return _bind_off(eqn, invals)
 
 
-def _eval(jaxpr, consts, args, cfg: _Config):
-  """Evaluates ``jaxpr`` on ``args``, binding each primitive with its autocast dtypes."""
-  env: dict = {}
-
-  def read(v):
-    return v.val if isinstance(v, jex.core.Literal) else env[v]
-
-  def write(v, val):
-    if not isinstance(v, jex.core.DropVar):
-      env[v] = val
-
-  for v, val in zip(jaxpr.constvars, consts):
-    write(v, val)
-  for v, val in zip(jaxpr.invars, args):
-    write(v, val)
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    outvals = _eval_eqn(eqn, invals, cfg)
-    for v, val in zip(eqn.outvars, outvals):
-      write(v, val)
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _bind(eqn, invals, params=None):
-  params = eqn.params if params is None else params
-  bind_params = eqn.primitive.get_bind_params(params)
-  out = eqn.primitive.bind(*invals, **bind_params)
-  return list(out) if eqn.primitive.multiple_results else [out]
+def _eval_closed(closed, args, run: _Run):
+  return interp.evaluate(closed, args, functools.partial(_eval_eqn, run=run))
 
 
 def _traced_dtypes(eqn):
   return [v.aval.dtype for v in eqn.invars]
 
 
-def _eval_eqn(eqn, invals, cfg: _Config):
+def _bind_off(eqn, invals):
+  return interp.bind_here(eqn, _cast_like(invals, _traced_dtypes(eqn)))
+
+
+def _eval_eqn(eqn, invals, run: _Run):
+  cfg = run.cfg
   name = eqn.primitive.name
   rule = cfg.rule(name)
-  if name in _RECURSIVE_RULES and cfg.rules.get(name) != "off":
-    return _RECURSIVE_RULES[name](eqn, invals, cfg)
+  if name in _RECURSIVE_RULES:
+    if cfg.rules.get(name) == "off":
+      return _bind_off(eqn, invals)
+    try:
+      return _RECURSIVE_RULES[name](eqn, invals, run)
+    except (interp.InterpretError, _Unsupported) as err:
+      return run.fall_back(eqn, invals, str(err))
+  if name not in cfg.rules and interp.has_subjaxprs(eqn):
+    return run.fall_back(eqn, invals, "autocast does not recurse into its body")
   dtypes = [_dtype_of(v) if hasattr(v, "dtype") else None for v in invals]
   if not any(d is not None and _is_float(d) for d in dtypes):
-    return _bind(eqn, invals)
+    return interp.bind_here(eqn, invals)
   if rule == "low":
     return _eval_low(eqn, invals, cfg)
   if rule == "float32":
     invals = [_cast(v, _F32) if d is not None and _is_float(d) and d.itemsize < 4 else v
               for v, d in zip(invals, dtypes)]
-    return _bind(eqn, _promote(invals, _weak(eqn)))
+    return interp.bind_here(eqn, _promote(invals, _weak(eqn)))
   if rule == "promote":
-    return _bind(eqn, _promote(invals, _weak(eqn)))
-  return _bind(eqn, _cast_like(invals, _traced_dtypes(eqn)))
+    return interp.bind_here(eqn, _promote(invals, _weak(eqn)))
+  return _bind_off(eqn, invals)
+
+
+class _Unsupported(Exception):
+  """An equation of a known primitive in a form autocast leaves at its traced dtypes."""
 
 
 def _weak(eqn):
   # A literal is a constant of the program (a Python scalar): it never widens an operation.
-  return [isinstance(v, jex.core.Literal) or getattr(v.aval, "weak_type", False)
+  return [isinstance(v, interp.Literal) or getattr(v.aval, "weak_type", False)
           for v in eqn.invars]
 
 
@@ -201,157 +204,197 @@ def _eval_low(eqn, invals, cfg: _Config):
     # As jnp.matmul emits for half operands: the accumulation type is the backend's
     # (float32 on GPU, TPU and CPU), and the backward products stay in half precision.
     params["preferred_element_type"] = low
-  return _bind(eqn, cast, params)
+  return interp.bind_here(eqn, cast, params)
 
 
 # ---- sub-jaxprs
 
 
-def _inline(eqn, invals, cfg):
-  jaxpr = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-  return _eval_closed(jaxpr, invals, cfg)
+def _jit(eqn, invals, run):
+  parts = interp.jit_parts(eqn)
 
+  def body(*xs):
+    return tuple(_eval_closed(parts.jaxpr, xs, run))
 
-def _checkpoint(eqn, invals, cfg):
-  params = eqn.params
-  body = functools.partial(_eval_closed, params["jaxpr"], cfg=cfg)
-  fn = jax.checkpoint(lambda *a: body(a), prevent_cse=params.get("prevent_cse", True),
-                      policy=params.get("policy"))
+  body.__name__ = parts.name
+  sharding = lambda s: s if isinstance(s, jax.sharding.Sharding) else None
+  in_shardings = tuple(sharding(s) for s in parts.in_shardings)
+  out_shardings = tuple(sharding(s) for s in parts.out_shardings)
+  fn = jax.jit(body, in_shardings=in_shardings if any(in_shardings) else None,
+               out_shardings=out_shardings if any(out_shardings) else None,
+               keep_unused=parts.keep_unused, inline=parts.inline)
   return list(fn(*invals))
 
 
-def _cond(eqn, invals, cfg):
+def _call(eqn, invals, run):
+  return _eval_closed(interp.call_jaxpr(eqn), invals, run)
+
+
+def _checkpoint(eqn, invals, run):
+  parts = interp.remat_parts(eqn)
+  fn = jax.checkpoint(lambda *a: _eval_closed(parts.jaxpr, a, run),
+                      prevent_cse=parts.prevent_cse, policy=parts.policy)
+  return list(fn(*invals))
+
+
+def _cond(eqn, invals, run):
+  branches = interp.cond_branches(eqn)
   index, *operands = invals
   out_dtypes = [v.aval.dtype for v in eqn.outvars]
 
   def branch(closed):
-    def run(*ops_):
-      return tuple(_cast_like(_eval_closed(closed, ops_, cfg), out_dtypes))
-    return run
+    def run_branch(*ops_):
+      return tuple(_cast_like(_eval_closed(closed, ops_, run), out_dtypes))
+    return run_branch
 
-  return list(lax.switch(index, [branch(b) for b in eqn.params["branches"]], *operands))
+  return list(lax.switch(index, [branch(b) for b in branches], *operands))
 
 
-def _while(eqn, invals, cfg):
-  params = eqn.params
-  nc, nb = params["cond_nconsts"], params["body_nconsts"]
+def _while(eqn, invals, run):
+  parts = interp.while_parts(eqn)
+  nc, nb = parts.cond_nconsts, parts.body_nconsts
   cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
   carry_dtypes = [v.aval.dtype for v in eqn.outvars]
 
   def cond_fn(carry):
-    return _eval_closed(params["cond_jaxpr"], [*cond_consts, *carry], cfg)[0]
+    return _eval_closed(parts.cond, [*cond_consts, *carry], run)[0]
 
   def body_fn(carry):
-    out = _eval_closed(params["body_jaxpr"], [*body_consts, *carry], cfg)
+    out = _eval_closed(parts.body, [*body_consts, *carry], run)
     return tuple(_cast_like(out, carry_dtypes))
 
   return list(lax.while_loop(cond_fn, body_fn, tuple(_cast_like(init, carry_dtypes))))
 
 
-def _scan(eqn, invals, cfg):
-  params = eqn.params
-  n_consts, n_carry = params["num_consts"], params["num_carry"]
+def _scan(eqn, invals, run):
+  parts = interp.scan_parts(eqn)
+  n_consts, n_carry = parts.num_consts, parts.num_carry
   consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
                       invals[n_consts + n_carry:])
   carry_dtypes = [v.aval.dtype for v in eqn.outvars[:n_carry]]
 
   def body(carry, x):
-    out = _eval_closed(params["jaxpr"], [*consts, *carry, *x], cfg)
+    out = _eval_closed(parts.jaxpr, [*consts, *carry, *x], run)
     return tuple(_cast_like(out[:n_carry], carry_dtypes)), tuple(out[n_carry:])
 
   carry, ys = lax.scan(body, tuple(_cast_like(init, carry_dtypes)), tuple(xs),
-                       length=params["length"], reverse=params["reverse"],
-                       unroll=params["unroll"])
+                       length=parts.length, reverse=parts.reverse, unroll=parts.unroll)
   return [*carry, *ys]
 
 
-def _all_float(avals) -> bool:
-  return all(_is_float(a.dtype) for a in avals)
+def _tangent_zeros(x):
+  """A zero tangent for ``x``: zeros of its dtype, or float0 for integers and keys."""
+  dtype = _dtype_of(x)
+  if jax.dtypes.issubdtype(dtype, jnp.inexact):
+    return jnp.zeros(jnp.shape(x), dtype)
+  return np.zeros(jnp.shape(x), jax.dtypes.float0)
 
 
-def _custom_jvp(eqn, invals, cfg):
-  params = eqn.params
-  call = _closed(params["call_jaxpr"])
-  if params["num_consts"] or not _all_float([*call.in_avals, *call.out_avals]):
-    return _bind(eqn, _cast_like(invals, _traced_dtypes(eqn)))
-  jvp_jaxpr_fun = params["jvp_jaxpr_fun"]
-  n = len(invals)
+def _closed_over(kind: str):
+  return _Unsupported(f"a {kind} function that closes over traced values: as under jax.jit, "
+                      "JAX cannot differentiate it; pass those values as arguments, or use "
+                      "jax.closure_convert")
+
+
+def _custom_jvp(eqn, invals, run):
+  """A ``custom_jvp`` function rebuilt as one whose function and rule are both autocast."""
+  parts = interp.custom_jvp_parts(eqn)
+  if parts.num_consts:
+    raise _closed_over("custom_jvp")
+  floats = [_is_float(a.dtype) for a in parts.call.in_avals]
 
   @jax.custom_jvp
   def fn(*xs):
-    return tuple(_eval_closed(call, xs, cfg))
+    return tuple(_eval_closed(parts.call, xs, run))
 
   @fn.defjvp
   def fn_jvp(primals, tangents):
     outs = fn(*primals)
-    jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*([False] * n))
-    res = _eval(_closed(jvp_jaxpr).jaxpr, [*_closed(jvp_jaxpr).consts, *jvp_consts],
-                [*primals, *tangents], cfg)
+    jvp_jaxpr, out_zeros = parts.jvp([not f for f in floats])
+    nonzero = [t for t, f in zip(tangents, floats) if f]
+    res = _eval_closed(jvp_jaxpr, [*primals, *nonzero], run)
     nz = iter(res[len(out_zeros):])
-    tangents_out = tuple(jnp.zeros_like(o) if zero else _cast(next(nz), _dtype_of(o))
+    tangents_out = tuple(_tangent_zeros(o) if zero else _cast(next(nz), _dtype_of(o))
                          for o, zero in zip(outs, out_zeros))
     return outs, tangents_out
 
   return list(fn(*invals))
 
 
-def _custom_vjp(eqn, invals, cfg):
-  params = eqn.params
-  call = _closed(params["call_jaxpr"])
-  if params["num_consts"] or not _all_float([*call.in_avals, *call.out_avals]):
-    return _bind(eqn, _cast_like(invals, _traced_dtypes(eqn)))
-  n_in, n_out = len(invals), len(call.out_avals)
-  fwd_jaxpr, fwd_consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * n_in))
-  fwd_jaxpr = _closed(fwd_jaxpr)
-  n_res = len(fwd_jaxpr.out_avals) - n_out
-  res_dtypes = [a.dtype for a in fwd_jaxpr.out_avals[:n_res]]
-  out_dtypes = [a.dtype for a in call.out_avals]
-  in_avals = [(jnp.shape(v), _dtype_of(v)) for v in invals]
-  bwd = params["bwd"]
+def _custom_vjp(eqn, invals, run):
+  """A ``custom_vjp`` function rebuilt with its function and forward rule autocast.
 
-  def run_fwd(xs):
-    outs = _eval(fwd_jaxpr.jaxpr, [*fwd_jaxpr.consts, *fwd_consts], xs, cfg)
-    return tuple(_cast_like(outs[:n_res], res_dtypes)), tuple(outs[n_res:])
+  The backward rule runs as written, at the dtypes it was traced with: its
+  residuals and cotangents are cast to those, and its results to the dtypes of
+  the inputs the autocast program gives the function.
+  """
+  parts = interp.custom_vjp_parts(eqn)
+  if parts.num_consts:
+    raise _closed_over("custom_vjp")
+  in_dtypes = _traced_dtypes(eqn)
+  out_dtypes = [a.dtype for a in parts.call.out_avals]
+  n_out = len(out_dtypes)
+  in_float = [jax.dtypes.issubdtype(_dtype_of(v), jnp.inexact) for v in invals]
+  in_cast = [_dtype_of(v) for v in invals]
+  n_in = len(invals)
+
+  def primal(xs):
+    return tuple(_eval_closed(parts.call, xs, run))
 
   @jax.custom_vjp
   def fn(*xs):
-    return run_fwd(xs)[1]
+    return primal(xs)
 
   def fn_fwd(*xs):
-    res, outs = run_fwd(xs)
-    return outs, res
+    if parts.symbolic_zeros:  # the rule learns which inputs are perturbed, as without autocast
+      perturbed, xs = [x.perturbed for x in xs], tuple(x.value for x in xs)
+    else:
+      perturbed = [True] * n_in
+    fwd_jaxpr = parts.fwd(perturbed)
+    outs = _eval_closed(fwd_jaxpr, xs, run)
+    n_res = len(outs) - n_out
+    res_dtypes = [a.dtype for a in fwd_jaxpr.out_avals[:n_res]]
+    res = iter(_cast_like(outs[:n_res], res_dtypes))
+    # Residuals that are inputs are left out of the forward rule's jaxpr.
+    residuals = tuple(next(res) if i is None else _cast(xs[i], in_dtypes[i])
+                      if _is_float(in_dtypes[i]) else xs[i] for i in parts.res_forwards())
+    # The primal outputs take the dtypes that the function gives them.
+    want = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in jax.eval_shape(primal, xs)]
+    primal_out = tuple(_cast(o, w.dtype) if _is_float(_dtype_of(o)) else o
+                       for o, w in zip(outs[n_res:], want))
+    return primal_out, residuals
 
-  def fn_bwd(res, cts):
-    cts_in = bwd.call_wrapped(*res, *_cast_like(cts, out_dtypes))
+  def fn_bwd(residuals, cts):
+    cts = [jax.custom_derivatives.SymbolicZero(a.to_tangent_aval()) if interp.is_zero(ct)
+           else _cast(ct, a.dtype) if _is_float(a.dtype) else ct
+           for ct, a in zip(cts, parts.call.out_avals)]
+    cts_in = parts.bwd(*residuals, *cts)
     grads = []
-    for ct, (shape, dtype) in zip(cts_in, in_avals):
-      if ct is None or not hasattr(ct, "dtype") or type(ct).__name__ in ("Zero", "SymbolicZero"):
-        grads.append(jnp.zeros(shape, dtype))
+    for ct, dtype, is_float in zip(cts_in, in_cast, in_float):
+      if interp.is_zero(ct) or not is_float:
+        grads.append(None)
       else:
         grads.append(_cast(ct, dtype))
     return tuple(grads)
 
-  fn.defvjp(fn_fwd, fn_bwd)
+  fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=parts.symbolic_zeros)
   return list(fn(*invals))
 
 
-def _shard_map(eqn, invals, cfg):
-  params = eqn.params
-  body = params["jaxpr"]
+def _shard_map(eqn, invals, run):
+  parts = interp.shard_map_parts(eqn)
 
-  def run(*xs):
-    return tuple(_eval_closed(body, xs, cfg))
+  def body(*xs):
+    return tuple(_eval_closed(parts.jaxpr, xs, run))
 
-  fn = jax.shard_map(run, mesh=params["mesh"], in_specs=tuple(params["in_specs"]),
-                     out_specs=tuple(params["out_specs"]),
-                     axis_names=set(params["newly_manual_axes"]),
-                     check_vma=params["check_vma"])
+  fn = jax.shard_map(body, mesh=parts.mesh, in_specs=parts.in_specs,
+                     out_specs=parts.out_specs, axis_names=set(parts.axis_names),
+                     check_vma=parts.check_vma)
   return list(fn(*invals))
 
 
 _RECURSIVE_RULES = {
-    "jit": _inline, "pjit": _inline, "closed_call": _inline, "core_call": _inline,
-    "call": _inline,
+    "jit": _jit, "pjit": _jit, "closed_call": _call, "core_call": _call, "call": _call,
     "remat": _checkpoint, "remat2": _checkpoint, "checkpoint": _checkpoint,
     "cond": _cond, "while": _while, "scan": _scan,
     "custom_jvp_call": _custom_jvp, "custom_vjp_call": _custom_vjp,
@@ -372,8 +415,10 @@ class _Traced:
   def __init__(self, closed, out_tree, cfg: _Config, name: str):
     self.out_tree = out_tree
 
+    interpretation = _Run(cfg)
+
     def run(*flat):
-      return _eval_closed(closed, flat, cfg)
+      return _eval_closed(closed, flat, interpretation)
 
     run.__name__ = f"autocast_{name}"
     self.run = jax.jit(run)
@@ -396,7 +441,14 @@ def _trace(fn, cfg, name, dynamic, static, treedef):
     out_box.append(out_tree)
     return out_leaves
 
-  closed = jax.make_jaxpr(flat_fn)(*dynamic)
+  interp.check()
+  try:
+    closed = jax.make_jaxpr(flat_fn)(*dynamic)
+  except Exception as err:
+    if type(err).__name__ == "TraceContextError":  # flax.errors: an NNX object from outside
+      raise ValueError(f"{name} changes an NNX object that is not among its arguments: "
+                       f"{_CLOSED_OVER}") from err
+    raise
   tracers = any(isinstance(c, jax.core.Tracer) for c in closed.consts)
   return _Traced(closed, out_box[-1], cfg, name), not tracers
 
@@ -429,33 +481,146 @@ class _Autocast:
   def __call__(self, *args, **kwargs):
     if not self._enabled:
       return self._fn(*args, **kwargs)
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    static = [(True, None) if _is_array(x) or isinstance(x, jax.core.Tracer) else (False, x)
-              for x in leaves]
-    dynamic = [x for x, (is_dyn, _) in zip(leaves, static) if is_dyn]
+    fn = self._fn
+    nnx = sys.modules.get("flax.nnx")  # NNX objects exist only once flax.nnx is imported
+    if nnx is not None:
+      fn, args, kwargs = _unbind_graph_nodes(nnx, self._fn, args, kwargs)
+      leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
+      where = tuple(i for i, x in enumerate(leaves) if nnx.graph.is_graph_node(x))
+      if where:
+        return _call_with_graph_nodes(nnx, self._cfg, fn, leaves, treedef, where)
+      _refuse_closed_over_graph_nodes(nnx, fn)
+    return _call_traced(fn, self._cfg, args, kwargs)
+
+
+def _call_traced(fn, cfg: _Config, args, kwargs):
+  """Runs ``fn(*args, **kwargs)`` through its cached autocast trace."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  static = [(True, None) if _is_array(x) or isinstance(x, jax.core.Tracer) else (False, x)
+            for x in leaves]
+  dynamic = [x for x, (is_dyn, _) in zip(leaves, static) if is_dyn]
+  key = None
+  try:
+    key = (fn, cfg, treedef,
+           tuple(jax.typeof(x) if is_dyn else ("static", type(x), x)
+                 for x, (is_dyn, _) in zip(leaves, static)))
+    hash(key)
+  except TypeError:
     key = None
-    try:
-      key = (self._fn, self._cfg, treedef,
-             tuple(jax.typeof(x) if is_dyn else ("static", type(x), x)
-                   for x, (is_dyn, _) in zip(leaves, static)))
-      hash(key)
-    except TypeError:
-      key = None
-    traced = None
-    if key is not None:
+  traced = None
+  if key is not None:
+    with _cache_lock:
+      traced = _cache.get(key)
+      if traced is not None:
+        _cache.move_to_end(key)
+  if traced is None:
+    name = getattr(fn, "__name__", type(fn).__name__)
+    traced, cacheable = _trace(fn, cfg, name, dynamic, static, treedef)
+    if key is not None and cacheable:
       with _cache_lock:
-        traced = _cache.get(key)
-        if traced is not None:
-          _cache.move_to_end(key)
-    if traced is None:
-      name = getattr(self._fn, "__name__", type(self._fn).__name__)
-      traced, cacheable = _trace(self._fn, self._cfg, name, dynamic, static, treedef)
-      if key is not None and cacheable:
-        with _cache_lock:
-          _cache[key] = traced
-          while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-    return jax.tree.unflatten(traced.out_tree, traced.run(*dynamic))
+        _cache[key] = traced
+        while len(_cache) > _CACHE_SIZE:
+          _cache.popitem(last=False)
+  return jax.tree.unflatten(traced.out_tree, traced.run(*dynamic))
+
+
+# ----------------------------------------------------------------------------- Flax NNX
+
+
+def _unbind_graph_nodes(nnx, fn, args, kwargs):
+  """``fn`` and its arguments with a module it is, or is bound to, as the first argument.
+
+  ``autocast(model)``, ``autocast(model.method)`` and ``autocast(partial(f, model))``
+  then split the module's state like any module argument.
+  """
+  is_node = nnx.graph.is_graph_node
+  if is_node(fn):
+    return type(fn).__call__, (fn, *args), kwargs
+  owner = getattr(fn, "__self__", None)
+  if owner is not None and is_node(owner) and hasattr(fn, "__func__"):
+    return fn.__func__, (owner, *args), kwargs
+  if isinstance(fn, functools.partial) and any(
+      is_node(x) for x in jax.tree.leaves((fn.args, fn.keywords), is_leaf=is_node)):
+    return fn.func, (*fn.args, *args), {**fn.keywords, **kwargs}
+  return fn, args, kwargs
+
+
+_CLOSED_OVER = ("its state would be read once, when the function is traced, and its updates "
+                "(batch statistics, RNG counts) lost. Pass it as an argument instead, as "
+                "nnx.grad and nnx.jit expect: jaxamp.autocast(lambda model, x: "
+                "loss(model(x)))(model, x)")
+
+
+def _refuse_closed_over_graph_nodes(nnx, fn):
+  """Refuses a function that reads an NNX object from its closure or its module's globals."""
+  values = []
+  for cell in getattr(fn, "__closure__", None) or ():
+    try:
+      values.append(cell.cell_contents)
+    except ValueError:  # an empty cell
+      continue
+  code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+  if code is not None and isinstance(scope, dict):
+    values.extend(scope[n] for n in code.co_names if n in scope)
+  for value in values:
+    if nnx.graph.is_graph_node(value):
+      raise ValueError(f"autocast({getattr(fn, '__name__', fn)!r}) reads the NNX object "
+                       f"{type(value).__name__} from outside its arguments: {_CLOSED_OVER}")
+
+
+class _GraphCall:
+  """``fn`` on merged NNX objects: a pure function of their state, returning the new state."""
+
+  def __init__(self, nnx, fn, graphdef, treedef, where):
+    self.nnx, self.fn, self.graphdef, self.treedef, self.where = nnx, fn, graphdef, treedef, where
+    self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+  def _key(self):
+    return (self.fn, self.graphdef, self.treedef, self.where)
+
+  def __eq__(self, other):
+    return type(other) is _GraphCall and self._key() == other._key()
+
+  def __hash__(self):
+    return hash((_GraphCall, *self._key()))
+
+  def __call__(self, state, others):
+    nodes = self.nnx.merge(self.graphdef, state)
+    leaves = list(others)
+    for i, node in zip(self.where, nodes):
+      leaves.insert(i, node)
+    args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+    out = self.fn(*args, **kwargs)
+    graphdef, new_state = self.nnx.split(nodes)
+    if graphdef != self.graphdef:
+      raise ValueError(
+          f"{self.__name__} changed the structure of the NNX objects passed to it (it added "
+          "or removed a submodule or a variable); under jaxamp.autocast, as under nnx.jit, "
+          "a function may update the values of their variables but not their structure. "
+          "Create the variables before calling it (for example, run it once without "
+          "autocast)")
+    if any(self.nnx.graph.is_graph_node(x)
+           for x in jax.tree.leaves(out, is_leaf=self.nnx.graph.is_graph_node)):
+      raise ValueError(f"{self.__name__} returns an NNX object; under jaxamp.autocast a "
+                       "function may update the NNX objects passed to it, and return arrays")
+    return out, new_state
+
+
+def _call_with_graph_nodes(nnx, cfg: _Config, fn, leaves, treedef, where):
+  """Calls ``fn`` under autocast with the state of its NNX arguments split out and put back.
+
+  The modules are split (shared references kept), the function runs on merged
+  copies inside the trace, and the state they end with (batch statistics, RNG
+  counts, any variable the function sets) is written back into the modules
+  passed, as ``nnx.jit`` does.
+  """
+  nodes = [leaves[i] for i in where]
+  others = [x for i, x in enumerate(leaves) if i not in where]
+  graphdef, state = nnx.split(nodes)
+  out, new_state = _call_traced(_GraphCall(nnx, fn, graphdef, treedef, where), cfg,
+                                (state, others), {})
+  nnx.update(nodes, new_state)
+  return out
 
 
 def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool = True,
@@ -487,11 +652,22 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
   boolean and key values are never cast.
 
   ``jit``, ``checkpoint``, ``cond``, ``while_loop``, ``scan``, ``shard_map``
-  and ``custom_jvp``/``custom_vjp`` functions are recursed into. The outputs
-  of ``cond`` and the carries of loops keep their traced dtypes. A
-  ``custom_jvp`` rule is autocast like the function; a ``custom_vjp``'s
-  forward pass is autocast and its backward rule runs as written, on
-  residuals and cotangents cast to the dtypes it was traced with.
+  and ``custom_jvp``/``custom_vjp`` functions are recursed into, keeping
+  their shardings, remat policies and every ``custom_vjp`` pattern JAX allows
+  (forward rules that call the function, residuals that are inputs,
+  ``nondiff_argnums``, symbolic zeros). The outputs of ``cond`` and the
+  carries of loops keep their traced dtypes. A ``custom_jvp`` rule is
+  autocast like the function; a ``custom_vjp``'s forward pass is autocast and
+  its backward rule runs as written, on residuals and cotangents cast to the
+  dtypes it was traced with. Each operation keeps its ``named_scope`` and
+  source information. A primitive with a body that autocast does not enter
+  runs at its traced dtypes, and an :class:`AutocastWarning` names it once
+  per trace (an ``'off'`` override for it silences the warning).
+
+  Flax NNX modules among the arguments (or ``fn`` itself, a method bound to
+  one, a ``functools.partial`` of one) have their state split out before the
+  trace and written back after it, as ``nnx.jit`` does, so batch statistics
+  and RNG counts update as without autocast.
 
   Args:
     fn: the function to transform; its array arguments (pytrees of them) are
@@ -510,7 +686,9 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
 
   Raises:
     ValueError: for a ``dtype`` other than float16 or bfloat16, or an
-      unknown rule in ``overrides``.
+      unknown rule in ``overrides``; when called, for a function that reads
+      an NNX module from outside its arguments or changes the structure of
+      one.
     TypeError: for a ``dtype`` or ``overrides`` key that is not one.
 
   Examples:

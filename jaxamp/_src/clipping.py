@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.state import ClipGradNormState
 
@@ -105,11 +106,18 @@ def clip_grad_norm(max_norm: float, norm_type: float | str = 2.0) -> optax.Gradi
   mmengine-style wrappers do this, at the cost of one host sync per step).
 
   Args:
-    max_norm: the largest total norm allowed.
+    max_norm: the largest total norm allowed: a number >= 0 (``inf`` clips
+      nothing). nan and negative bounds are refused (PyTorch accepts them:
+      nan writes nan into the parameters, a negative bound flips the
+      gradient's sign).
     norm_type: the order of the norm: a float, or ``'inf'``.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`ClipGradNormState`.
+
+  Raises:
+    TypeError: a ``max_norm`` that is not a real number.
+    ValueError: a nan or negative ``max_norm``, a nan ``norm_type``.
 
   Examples:
     >>> import jax.numpy as jnp, jaxamp
@@ -119,7 +127,7 @@ def clip_grad_norm(max_norm: float, norm_type: float | str = 2.0) -> optax.Gradi
     >>> clipped['w'], state.total_norm
     (Array([0.5999999 , 0.79999983], dtype=float32), Array(5., dtype=float32))
   """
-  max_norm_ = validation.check_real("max_norm", max_norm)
+  max_norm_ = outside.max_norm("max_norm", max_norm)
   order = norm_order(norm_type)
 
   def init_fn(params):
@@ -146,6 +154,9 @@ def clip_grad_value(clip_value: float) -> optax.GradientTransformation:
 
   ``torch.nn.utils.clip_grad_value_``: nan stays nan, infinities are clamped.
   Stateless (``optax.EmptyState``); PyTorch reports no norm for it either.
+  ``clip_value`` must be a number >= 0 (``inf`` clips nothing); nan and
+  negative values are refused (``ValueError``), where PyTorch clamps every
+  element to the bound of the wrong sign, or to nan.
 
   Examples:
     >>> import jax.numpy as jnp, jaxamp
@@ -154,7 +165,7 @@ def clip_grad_value(clip_value: float) -> optax.GradientTransformation:
     >>> tx.update(grads, tx.init(grads))[0]['w']
     Array([-0.5 ,  0.25,  0.5 ], dtype=float32)
   """
-  return optax.clip(validation.check_real("clip_value", clip_value))
+  return optax.clip(outside.clip_value("clip_value", clip_value))
 
 
 def check_total_norm(total_norm: Any, norm_type: float | str = 2.0) -> None:

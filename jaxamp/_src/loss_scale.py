@@ -340,6 +340,6 @@ def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
     >>> updates['w']
     Array([-1.,  2.], dtype=float32)
   """
-  scale_ = validation.check_scale("scale", scale)
+  scale_ = validation.check_scale("scale", scale, DEFAULT_MIN_SCALE, DEFAULT_MAX_SCALE)
   return _scaling(inner, scale_, ScaleRule(dynamic=False), axis_name,
                   validation.check_count("stall_after", stall_after))

@@ -2,11 +2,10 @@
 
 :func:`select_update` interprets the jaxpr of the inner update and selects each
 new state leaf where it is computed, so that XLA fuses the selection into the
-inner update's own kernels. It uses ``jax.make_jaxpr`` and the public
-``jax.extend.core`` types, and binds each equation again with
-``Primitive.get_bind_params`` and the equation's context manager
-(``JaxprEqn.ctx``): those two have no public equivalent, so a JAX release may
-change them. When the interpretation fails, a warning names the reason and the
+inner update's own kernels. It binds each equation again through
+:mod:`jaxamp._src.jaxpr_interp`, which holds every internal of JAX that the
+interpretation needs, so a JAX release may change them. When the
+interpretation fails, a warning names the reason and the
 plain selection runs instead; :func:`set_fused_selection` (or the environment
 variable ``JAXAMP_FUSED_SELECTION=0``) chooses the plain selection outright.
 """
@@ -18,12 +17,12 @@ import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
-import jax.extend.core as jex_core  # public; Var and Literal
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jaxamp._src import finite
+from jaxamp._src import jaxpr_interp as interp
 from jaxamp._src import sharding
 
 _fused = os.environ.get("JAXAMP_FUSED_SELECTION", "1").strip().lower() not in ("0", "false", "no")
@@ -157,6 +156,7 @@ def select_update(pred: Pred, update: Callable[[], tuple[Any, Any]], old_state: 
   num_updates = len(jax.tree.leaves(shapes[0]))
   new_def: Any = jax.tree.structure(shapes[1])
   try:
+    interp.check()
     if new_def != old_def:
       raise ValueError(f"the new state's structure {new_def} is not the old state's {old_def}")
     outputs = _eval_selecting(closed, _own_errors(decide), watch, unscaled_from, num_updates,
@@ -239,7 +239,7 @@ def _degree(eqn: Any, degrees: list) -> Optional[int]:
 
 
 def _is_zero(v: Any, zeros: dict) -> bool:
-  if isinstance(v, jex_core.Literal):
+  if isinstance(v, interp.Literal):
     return bool(np.all(np.asarray(v.val) == 0))
   return v in zeros
 
@@ -271,7 +271,7 @@ def _witnesses(closed: Any, watch: Sequence[jax.Array], stop: int) -> list:
       zeros[out] = k
       continue
     operands = eqn.invars[:1] if name == "div" else eqn.invars
-    from_source = [v for v in operands if isinstance(v, jex_core.Var) and v in origin]
+    from_source = [v for v in operands if isinstance(v, interp.Var) and v in origin]
     sources = {origin[v] for v in from_source}
     if len(sources) != 1:
       continue
@@ -284,7 +284,7 @@ def _witnesses(closed: Any, watch: Sequence[jax.Array], stop: int) -> list:
     def operand_degree(v, i=i):
       if _is_zero(v, zeros):
         return _ZERO
-      if isinstance(v, jex_core.Literal) or (v in consts and v not in watched):
+      if isinstance(v, interp.Literal) or (v in consts and v not in watched):
         return 0
       return degree.get(v) if origin.get(v) == i else None  # computed elsewhere: not on its own
 
@@ -294,7 +294,7 @@ def _witnesses(closed: Any, watch: Sequence[jax.Array], stop: int) -> list:
   readers: dict = {}
   for k, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:
-      if isinstance(v, jex_core.Var):
+      if isinstance(v, interp.Var):
         readers.setdefault(v, set()).add(k)
   outvars = set(jaxpr.outvars)
   witnesses: list = [None] * len(watch)
@@ -308,7 +308,7 @@ def _witnesses(closed: Any, watch: Sequence[jax.Array], stop: int) -> list:
       k = made_by.get(v, zeros.get(v))
       if k is not None and k not in eqns:
         eqns.add(k)
-        pending.extend(x for x in jaxpr.eqns[k].invars if isinstance(x, jex_core.Var))
+        pending.extend(x for x in jaxpr.eqns[k].invars if isinstance(x, interp.Var))
     chain = frozenset(k for k in eqns if jaxpr.eqns[k].outvars[0] in made_by)
     inner = {jaxpr.eqns[k].outvars[0] for k in chain} - {w}
     alone = all(readers.get(v, set()) <= chain and v not in outvars for v in inner)
@@ -318,10 +318,7 @@ def _witnesses(closed: Any, watch: Sequence[jax.Array], stop: int) -> list:
 
 
 def _bind(eqn: Any, read: Callable[[Any], Any]) -> list:
-  params = eqn.primitive.get_bind_params(eqn.params)
-  with eqn.ctx.manager:
-    ans = eqn.primitive.bind(*[read(v) for v in eqn.invars], **params)
-  return ans if eqn.primitive.multiple_results else [ans]
+  return interp.bind(eqn, [read(v) for v in eqn.invars])
 
 
 def _from_raw(closed: Any, witnesses: list, read: Callable[[Any], Any],
@@ -337,7 +334,7 @@ def _from_raw(closed: Any, witnesses: list, read: Callable[[Any], Any],
     env = {w.source: leaf}
 
     def local(v):
-      return env[v] if isinstance(v, jex_core.Var) and v in env else read(v)
+      return env[v] if isinstance(v, interp.Var) and v in env else read(v)
 
     for k in w.eqns:
       eqn = closed.jaxpr.eqns[k]
@@ -385,7 +382,7 @@ def _eval_selecting(closed: Any, decide: Callable[[list], jax.Array], watch: Seq
   for i, (v, old) in enumerate(zip(state_vars, old_leaves)):
     old = jnp.asarray(old)
     aval: Any = v.aval
-    if (isinstance(v, jex_core.Var) and v in defined and v not in swap
+    if (isinstance(v, interp.Var) and v in defined and v not in swap
         and aval.shape == old.shape and aval.dtype == old.dtype):
       swap[v] = i
   # The predicate is needed from the first selection on.
@@ -395,7 +392,7 @@ def _eval_selecting(closed: Any, decide: Callable[[list], jax.Array], watch: Seq
   env: dict = dict(zip(jaxpr.constvars, closed.consts))
 
   def read(v):
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
+    return v.val if isinstance(v, interp.Literal) else env[v]
 
   skip: set = set()
   if unscaled_from is not None:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._src import validation
+from jaxamp._src import outside
 
 #: Default floor of the dynamic scale: the smallest normal float32. Far below any
 #: scale a real run reaches, it only stops the degenerate slide to 0.0.
@@ -209,8 +209,10 @@ def set_loss_scale(opt_state: optax.OptState, scale: Any) -> optax.OptState:
 
   The growth tracker and overflow count are left as they are (as PyTorch's
   ``update(new_scale)``). No recompilation: the scale is a state leaf, and
-  ``scale`` may be a Python number (checked to be positive and finite) or a
-  scalar array (a traced one too, which cannot be checked).
+  ``scale`` may be a Python number or a concrete scalar array (checked to be
+  finite and between the smallest normal float32 and the largest finite
+  one, as every scale a state holds), or a traced scalar (which cannot be
+  checked).
 
   Raises:
     TypeError: when ``scale`` is neither a real number nor a real scalar array.
@@ -234,7 +236,8 @@ def set_loss_scale(opt_state: optax.OptState, scale: Any) -> optax.OptState:
   else:
     if isinstance(scale, (np.ndarray, jax.Array)) and np.ndim(scale) != 0:
       raise ValueError(f"scale must be a scalar, got an array of shape {np.shape(scale)}")
-    value = jnp.asarray(validation.check_scale("scale", scale), jnp.float32)
+    value = jnp.asarray(outside.scale("scale", scale, DEFAULT_MIN_SCALE, DEFAULT_MAX_SCALE),
+                        jnp.float32)
 
   def put(node):
     return node._replace(scale=value) if isinstance(node, LossScaleState) else node
@@ -411,7 +414,61 @@ def skip_report(opt_state: optax.OptState, params: Any) -> list[str]:
   if len(paths) != len(flags):
     raise ValueError(f"params has {len(paths)} floating leaves, but the loss-scale state counts "
                      f"{len(flags)}: pass the params the optimizer was initialised with")
+  _check_params_like_state(node.inner_state, params)
   return [p for p, bad in zip(paths, flags) if bad]
+
+
+def _check_params_like_state(inner_state: Any, params: Any) -> None:
+  """Refuses ``params`` of another structure than a params-like tree in ``inner_state``.
+
+  Optimizer states hold trees shaped like the parameters (momenta, moments);
+  one with the same leaf shapes, in order, but another tree structure means
+  that ``params`` is not the tree the optimizer was initialised with, and its
+  paths would name the wrong leaves. (A state holding no such tree, as plain
+  SGD's, cannot tell; the leaf count is checked always.)
+  """
+  treedef: Any = jax.tree.structure(params)
+  shapes = [jnp.shape(x) for x in jax.tree.leaves(params)]
+  if not shapes:
+    return
+
+  found = []
+
+  def same_structure(x: Any) -> bool:
+    if jax.tree.structure(x) == treedef:
+      found.append(x)
+      return True
+    return False
+
+  jax.tree.leaves(inner_state, is_leaf=same_structure)
+  if found:
+    return
+  for sub in _subtrees(inner_state):
+    if [jnp.shape(x) for x in jax.tree.leaves(sub)] == shapes:
+      raise ValueError(
+          "params has another tree structure than the parameters the optimizer state was "
+          f"initialised with ({jax.tree.structure(params)} against {jax.tree.structure(sub)}): "
+          "the paths would name the wrong leaves; pass the params the optimizer was "
+          "initialised with")
+
+
+def _subtrees(tree: Any) -> list:
+  """Every container node of ``tree`` (dicts, lists, non-empty tuples), outermost first."""
+  out = []
+  stack = [tree]
+  while stack:
+    node = stack.pop()
+    children = None
+    if isinstance(node, dict):
+      children = list(node.values())
+    elif isinstance(node, (list, tuple)):
+      children = list(node)
+    if children is None:
+      continue
+    if not (isinstance(node, tuple) and hasattr(node, "_fields")):
+      out.append(node)
+    stack.extend(children)
+  return out
 
 
 def step_metrics(source: Any) -> dict[str, jax.Array]:
@@ -462,11 +519,17 @@ def upgrade_opt_state(restored: Any, template: optax.OptState) -> optax.OptState
   instead (orbax gives nested dicts keyed by field name, and lists for
   tuples) and pass the result here with ``tx.init(params)`` as ``template``:
   every value found in ``restored`` is kept (cast to the template's dtype),
-  every field missing is the template's.
+  every field missing is the template's. What it builds is checked with
+  :func:`jaxamp.validate_opt_state`: a negative, zero, nan or overflowing
+  scale, a negative or fractional counter, a non-finite moment or an
+  unexpected key is refused, not restored.
 
   Raises:
     ValueError: when ``restored`` does not have the template's shape at a
-      node (a different optimizer, or other parameters).
+      node (a different optimizer, or other parameters), holds keys the
+      template has not, or a value that the cast would change or that is
+      out of range; the message names the field.
+    TypeError: a value of the wrong kind (a string for a number).
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
@@ -478,22 +541,56 @@ def upgrade_opt_state(restored: Any, template: optax.OptState) -> optax.OptState
     (Array(1024., dtype=float32), Array(3, dtype=int32), Array(0, dtype=int32))
   """
 
+  def fail(where: str, what: str) -> ValueError:
+    return ValueError(f"{where or 'the state'}: {what}")
+
   def build(raw: Any, node: Any, where: str) -> Any:
-    if not jax.tree.leaves(node):  # None, EmptyState(), empty containers: nothing to restore
-      return node
+    if isinstance(raw, tuple) and hasattr(raw, "_fields"):
+      raw = dict(zip(raw._fields, raw))
     if isinstance(node, tuple) and hasattr(node, "_fields"):
+      if not node._fields:  # optax.EmptyState() and the like
+        if raw is not None and jax.tree.leaves(raw):
+          raise fail(where, f"expected an empty {type(node).__name__}, got {raw!r}")
+        return node
       if not isinstance(raw, dict):
-        raise ValueError(f"{where or 'the state'}: expected the fields of "
-                         f"{type(node).__name__}, got {type(raw).__name__}")
+        raise fail(where, f"expected the fields of {type(node).__name__}, got "
+                   f"{type(raw).__name__}")
+      extra = sorted(str(k) for k in raw if k not in node._fields)
+      if extra:
+        raise fail(where, f"unexpected fields {extra} for {type(node).__name__} (accepted: "
+                   f"{list(node._fields)})")
       return type(node)(*[build(raw[f], getattr(node, f), f"{where}.{f}") if f in raw
                           else getattr(node, f) for f in node._fields])
     if isinstance(node, (list, tuple)):
-      items = list(raw.values()) if isinstance(raw, dict) else raw
+      if raw is None and not jax.tree.leaves(node):
+        return node
+      if isinstance(raw, dict):
+        items = list(raw.values())
+      elif isinstance(raw, (list, tuple)):
+        items = list(raw)
+      else:
+        raise fail(where, f"expected a sequence of {len(node)} entries, got {type(raw).__name__}")
       if len(items) != len(node):
-        raise ValueError(f"{where or 'the state'}: expected {len(node)} entries, got {len(items)}")
+        raise fail(where, f"expected {len(node)} entries, got {len(items)}")
       return type(node)(build(r, n, f"{where}[{i}]") for i, (r, n) in enumerate(zip(items, node)))
     if isinstance(node, dict):
+      if raw is None and not jax.tree.leaves(node):
+        return node
+      if not isinstance(raw, dict):
+        raise fail(where, f"expected a dict with keys {sorted(node)}, got {type(raw).__name__}")
+      extra = sorted(str(k) for k in raw if k not in node)
+      if extra:
+        raise fail(where, f"unexpected keys {extra} (accepted: {sorted(node)})")
       return {k: build(raw[k], v, f"{where}[{k!r}]") if k in raw else v for k, v in node.items()}
-    return jnp.asarray(raw, jnp.result_type(node)).reshape(jnp.shape(node))
+    if node is None or not jax.tree.leaves(node):
+      if raw is not None and jax.tree.leaves(raw):
+        raise fail(where, f"expected nothing, got {raw!r}")
+      return node
+    value = outside.fits(where or "the state", raw, jnp.result_type(node))
+    if value.size != int(np.prod(jnp.shape(node))):
+      raise fail(where, f"expected shape {jnp.shape(node)}, got {value.shape}")
+    return jnp.asarray(value.reshape(jnp.shape(node)))
 
-  return build(restored, template, "")
+  upgraded = build(restored, template, "state")
+  return outside.validate_opt_state(upgraded, template)
+

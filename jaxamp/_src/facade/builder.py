@@ -17,8 +17,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.mmengine import trees
@@ -100,6 +102,10 @@ def _check_paramwise(paramwise: Any, base_wd: Optional[float], hp_keys: Sequence
       for key in entry:
         if key not in accepted:
           raise ValueError(f"Unknown key {key!r} in custom_keys[{name!r}]; accepted: {accepted}")
+      for key in ("lr_mult", "decay_mult"):
+        if key in entry:
+          outside.hyperparam(f"paramwise_cfg['custom_keys'][{name!r}][{key!r}]", entry[key],
+                             key=key)
       if base_wd is None and "decay_mult" in entry:
         raise ValueError("base_wd should not be None")
   if base_wd is None and any(k in paramwise for k in ("bias_decay_mult", "norm_decay_mult",
@@ -108,11 +114,14 @@ def _check_paramwise(paramwise: Any, base_wd: Optional[float], hp_keys: Sequence
   for key in ("bias_lr_mult", "bias_decay_mult", "norm_decay_mult", "dwconv_decay_mult",
               "flat_decay_mult", "dcn_offset_lr_mult"):
     if paramwise.get(key) is not None:
-      validation.check_real(key, paramwise[key])
+      outside.hyperparam(f"paramwise_cfg[{key!r}]", paramwise[key], key="lr_mult")
   return paramwise
 
 
 def _hashable(value: Any) -> Any:
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    array = np.asarray(value)
+    return ("array", str(array.dtype), array.shape, array.tobytes())
   if isinstance(value, (list, tuple)):
     return tuple(_hashable(v) for v in value)
   if isinstance(value, Mapping):

@@ -16,11 +16,33 @@ import numpy as np
 
 from jaxamp._src import state as state_lib
 from jaxamp._src import loss_scale
+from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.facade import scaler_core as core
 from jaxamp._src.facade import stall
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.scaled_loss import ScaledLoss
+
+
+_STATE_KEYS = ("scale", "incr_ratio", "decr_ratio", "incr_every_n_steps",
+               "decr_every_n_nan_or_inf", "incr_count", "decr_count", "use_dynamic_loss_scaling")
+
+
+_PADDLE_NAMES = {"growth_factor": "incr_ratio", "backoff_factor": "decr_ratio",
+                 "growth_interval": "incr_every_n_steps",
+                 "hysteresis": "decr_every_n_nan_or_inf"}
+
+
+def _paddle_rule(where: str = "", **values: Any) -> loss_scale.ScaleRule:
+  """``loss_scale.make_rule`` with its errors naming Paddle's arguments (``incr_ratio``...)."""
+  try:
+    return loss_scale.make_rule(**values)
+  except (TypeError, ValueError) as err:
+    message = str(err)
+    for core_name, paddle_name in _PADDLE_NAMES.items():
+      name = f"{where}[{paddle_name!r}]" if where else paddle_name
+      message = message.replace(core_name, name)
+    raise type(err)(message) from None
 
 
 class GradScaler:
@@ -146,10 +168,10 @@ class GradScaler:
     self._decr_every_n_nan_or_inf = decr_every_n_nan_or_inf
     self._rule: Optional[loss_scale.ScaleRule] = None
     if self._enable:
-      core.check_factor_types(incr_ratio=incr_ratio, decr_ratio=decr_ratio)
-      if incr_ratio <= 1.0:
+      incr, decr = core.check_factor_types(incr_ratio=incr_ratio, decr_ratio=decr_ratio)
+      if incr <= 1.0:
         raise AssertionValueError("The incr_ratio must be > 1.0.")
-      if decr_ratio >= 1.0:
+      if decr >= 1.0:
         raise AssertionValueError("The decr_ratio must be < 1.0.")
       self._rule = self._make_rule()
       validation.check_scale("init_loss_scaling", init_loss_scaling, self._rule.min_scale,
@@ -167,7 +189,7 @@ class GradScaler:
         growth_factor=self._incr_ratio, backoff_factor=self._decr_ratio,
         growth_interval=self._incr_every_n_steps, hysteresis=self._decr_every_n_nan_or_inf)
     values.update(changes)
-    return loss_scale.make_rule(**values)
+    return _paddle_rule(**values)
 
   def __repr__(self) -> str:
     return (f"GradScaler(enable={self._enable}, incr_ratio={self._incr_ratio!r}, "
@@ -330,10 +352,10 @@ class GradScaler:
   def set_init_loss_scaling(self, new_init_loss_scaling: float) -> None:
     """Sets the initial loss scaling and resets the current scale to it (counters kept)."""
     rule = self._rule or loss_scale.ScaleRule()
-    validation.check_scale("new_init_loss_scaling", new_init_loss_scaling, rule.min_scale,
-                           rule.max_scale)
+    value = outside.scale("new_init_loss_scaling", new_init_loss_scaling, rule.min_scale,
+                          rule.max_scale)
     self._init_loss_scaling = new_init_loss_scaling
-    self._state = self._state._replace(scale=jnp.asarray(new_init_loss_scaling, jnp.float32))
+    self._state = self._state._replace(scale=jnp.asarray(value, jnp.float32))
 
   def get_incr_ratio(self) -> float:
     """The multiplier used to increase the scale."""
@@ -341,8 +363,7 @@ class GradScaler:
 
   def set_incr_ratio(self, new_incr_ratio: float) -> None:
     """Sets the increase multiplier (> 1)."""
-    core.check_factor_types(new_incr_ratio=new_incr_ratio)
-    if new_incr_ratio <= 1.0:
+    if core.check_factor_types(new_incr_ratio=new_incr_ratio)[0] <= 1.0:
       raise AssertionValueError("The new_incr_ratio must be > 1.0.")
     if self._enable:
       self._rule = self._make_rule(growth_factor=new_incr_ratio)
@@ -354,8 +375,7 @@ class GradScaler:
 
   def set_decr_ratio(self, new_decr_ratio: float) -> None:
     """Sets the decrease multiplier (< 1)."""
-    core.check_factor_types(new_decr_ratio=new_decr_ratio)
-    if new_decr_ratio >= 1.0:
+    if core.check_factor_types(new_decr_ratio=new_decr_ratio)[0] >= 1.0:
       raise AssertionValueError("The new_decr_ratio must be < 1.0.")
     if self._enable:
       self._rule = self._make_rule(backoff_factor=new_decr_ratio)
@@ -407,34 +427,40 @@ class GradScaler:
   def load_state_dict(self, state_dict: dict[str, Any]) -> None:
     """Loads a state dict in Paddle's format (no-op when disabled).
 
-    ``scale`` may be Paddle's one-element array or a plain number.
+    ``scale`` may be Paddle's one-element array or a plain number. Every
+    value is checked with the constructor's rules before anything changes
+    (a scale within ``[min_scale, max_scale]``, counters in
+    ``[0, 2**31 - 1]``, ``use_dynamic_loss_scaling`` a bool): a refused dict
+    leaves the scaler as it was.
 
     Raises:
       RuntimeError: for an empty dict (saved by a disabled scaler).
       KeyError: for a missing key.
-      ValueError, TypeError: for values this scaler cannot use.
+      ValueError, TypeError: for values this scaler cannot use (Paddle
+        reads ``"False"`` as true and uses the first element of a longer
+        ``scale``), unexpected keys, or a state dict that is not a dict.
     """
     if not self._enable:
       return
+    outside.mapping("state_dict", state_dict)
     core.require_nonempty(state_dict, "The input state dict is empty, possibly because it was "
                           "saved from a disabled instance of GradScaler.")
-    scale = state_dict["scale"]
-    if core.is_array(scale) or isinstance(scale, (list, tuple)):
-      scale = np.asarray(scale).reshape(-1)[0]
-    rule = loss_scale.make_rule(growth_factor=state_dict["incr_ratio"],
-                                backoff_factor=state_dict["decr_ratio"],
-                                growth_interval=state_dict["incr_every_n_steps"],
-                                hysteresis=state_dict["decr_every_n_nan_or_inf"])
-    validation.check_scale("scale", core.as_float("scale", scale), rule.min_scale,
-                           rule.max_scale)
-    incr_count = core.as_count("incr_count", state_dict["incr_count"])
-    decr_count = core.as_count("decr_count", state_dict["decr_count"])
-    dynamic = state_dict["use_dynamic_loss_scaling"]
+    outside.keys("state_dict", state_dict, _STATE_KEYS)
+    rule = _paddle_rule(growth_factor=state_dict["incr_ratio"],
+                        backoff_factor=state_dict["decr_ratio"],
+                        growth_interval=state_dict["incr_every_n_steps"],
+                        hysteresis=state_dict["decr_every_n_nan_or_inf"], where="state_dict")
+    scale = outside.scale("state_dict['scale']", state_dict["scale"], rule.min_scale,
+                          rule.max_scale)
+    incr_count = outside.counter("state_dict['incr_count']", state_dict["incr_count"])
+    decr_count = outside.counter("state_dict['decr_count']", state_dict["decr_count"])
+    dynamic = outside.flag("state_dict['use_dynamic_loss_scaling']",
+                           state_dict["use_dynamic_loss_scaling"])
     self._rule = rule
     self._init_loss_scaling = scale
-    self._incr_ratio = state_dict["incr_ratio"]
-    self._decr_ratio = state_dict["decr_ratio"]
-    self._incr_every_n_steps = state_dict["incr_every_n_steps"]
-    self._decr_every_n_nan_or_inf = state_dict["decr_every_n_nan_or_inf"]
-    self._use_dynamic_loss_scaling = bool(dynamic)
-    self._state = core.make_state(core.as_float("scale", scale), incr_count, decr_count)
+    self._incr_ratio = rule.growth_factor
+    self._decr_ratio = rule.backoff_factor
+    self._incr_every_n_steps = rule.growth_interval
+    self._decr_every_n_nan_or_inf = rule.hysteresis
+    self._use_dynamic_loss_scaling = dynamic
+    self._state = core.make_state(scale, incr_count, decr_count)

@@ -193,6 +193,12 @@ def holder_donates(optimizer: Any) -> bool:
   return getattr(optimizer, "donate", False) is True
 
 
+def holder_grads_empty(optimizer: Any) -> bool:
+  """Whether ``optimizer`` holds no gradients (``None`` or an empty tree)."""
+  grads = optimizer.grads
+  return grads is None or not jax.tree.leaves(grads)
+
+
 def has_float16_leaf(tree: Any) -> bool:
   """Whether any leaf of ``tree`` is float16."""
   return any(jnp.result_type(leaf) == jnp.float16 for leaf in jax.tree.leaves(tree))
@@ -297,10 +303,10 @@ def as_count(name: str, value: Any) -> int:
   return validation.check_int(name, validation.one_element(value), minimum=0)
 
 
-def check_factor_types(**values: Any) -> None:
-  """Refuses factors that are not finite real numbers (``TypeError``/``ValueError``)."""
-  for name, value in values.items():
-    validation.check_real(name, value, finite=True, arrays=True, kind=_KIND)
+def check_factor_types(**values: Any) -> list[float]:
+  """The factors as floats; refuses those that are not finite real numbers (``TypeError``/``ValueError``)."""
+  return [validation.check_real(name, value, finite=True, arrays=True, kind=_KIND)
+          for name, value in values.items()]
 
 
 def require_nonempty(state_dict: Mapping[str, Any], message: str) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from jaxamp._src import clipping
 from jaxamp._src import state as state_lib
 from jaxamp._src import loss_scale
+from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.facade import scaler_core as core
 from jaxamp._src.facade import stall
@@ -30,6 +31,8 @@ from jaxamp._src.facade.scaled_loss import ScaledLoss
 
 _NEW_SCALE_REASON = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                      "torch.FloatTensor with requires_grad=False.")
+
+_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 _NOT_SCALED_FIX = ("This may indicate your script did not use scaler.scale(loss or outputs) "
                    "earlier in the iteration.")
@@ -182,10 +185,11 @@ class GradScaler:
     self._stall_after = validation.check_count("stall_after", stall_after)
     self._monitor = stall.StallMonitor(on_stall, stall_check_every)
     if self._enabled:
-      core.check_factor_types(growth_factor=growth_factor, backoff_factor=backoff_factor)
-      if growth_factor <= 1.0:
+      growth, backoff = core.check_factor_types(growth_factor=growth_factor,
+                                                backoff_factor=backoff_factor)
+      if growth <= 1.0:
         raise AssertionValueError("The growth factor must be > 1.0.")
-      if backoff_factor >= 1.0:
+      if backoff >= 1.0:
         raise AssertionValueError("The backoff factor must be < 1.0.")
       self._rule = self._make_rule(growth_factor, backoff_factor, growth_interval)
       self._init_scale = validation.check_scale("init_scale", init_scale, self._rule.min_scale,
@@ -350,6 +354,10 @@ class GradScaler:
         record.found_inf, record.stage = found_inf, core.OptState.STEPPED
         return None
     if record.stage is core.OptState.READY:
+      if core.holder_grads_empty(optimizer):
+        # Refused before anything is recorded: the optimizer stays READY, so the next
+        # iteration works (PyTorch leaves it UNSCALED, and every later step raises).
+        raise AssertionError("No inf checks were recorded for this optimizer.")
       self.unscale_(optimizer)
     if record.found_inf is None:
       raise AssertionError("No inf checks were recorded for this optimizer.")
@@ -366,9 +374,10 @@ class GradScaler:
     call, no host sync.
 
     Args:
-      new_scale: a float or a one-element array: the new scale; the growth
-        tracker is left as it is. A float must be positive and finite; an
-        array is used as it is (checking it would need a host sync).
+      new_scale: a float or a one-element array: the new scale; the
+        growth tracker is left as it is. It must be finite and within
+        ``[min_scale, max_scale]`` (an array is read on the host to check it:
+        one sync, on a call that is rare).
 
     Raises:
       AssertionError: ``"No inf checks were recorded prior to update."`` when
@@ -377,6 +386,9 @@ class GradScaler:
       TypeError: (also ``AttributeError``/``AssertionError``, PyTorch's types)
         for a ``new_scale`` that is neither a float nor a one-element array
         (an ``int`` included, as PyTorch).
+      ValueError: a nan, infinite, zero, negative ``new_scale``, or one
+        outside ``[min_scale, max_scale]`` (PyTorch accepts it; a nan scale
+        skips every later step). Nothing changes then.
     """
     if not self._enabled:
       return
@@ -385,9 +397,11 @@ class GradScaler:
       if core.is_array(new_scale):
         if np.size(new_scale) != 1:
           raise NewScaleError(_NEW_SCALE_REASON)
-        value = jnp.asarray(new_scale).reshape(()).astype(jnp.float32)
+        value = jnp.asarray(outside.scale("new_scale", new_scale, self._rule.min_scale,
+                                          self._rule.max_scale), jnp.float32)
       elif isinstance(new_scale, float):
-        value = jnp.asarray(validation.check_scale("new_scale", new_scale), jnp.float32)
+        value = jnp.asarray(outside.scale("new_scale", new_scale, self._rule.min_scale,
+                                          self._rule.max_scale), jnp.float32)
       else:
         raise NewScaleError(_NEW_SCALE_REASON + f" Got {new_scale!r} of type "
                             f"{type(new_scale).__name__}.")
@@ -496,21 +510,29 @@ class GradScaler:
     Loaded before the first :meth:`scale`, it takes effect from the first
     iteration. A dict saved by PyTorch continues the same trajectory.
 
+    Every value is checked with the constructor's rules (a scale within
+    ``[min_scale, max_scale]``, a tracker in ``[0, 2**31 - 1]``) before
+    anything changes: a refused dict leaves the scaler as it was.
+
     Raises:
       RuntimeError: for an empty dict (saved by a disabled scaler).
       KeyError: for a missing key.
-      ValueError, TypeError: for values this scaler cannot use.
+      ValueError, TypeError: for values this scaler cannot use, unexpected
+        keys, or a state dict that is not a dict.
     """
     if not self._enabled:
       return
+    outside.mapping("state_dict", state_dict)
     core.require_nonempty(state_dict, "The source state dict is empty, possibly because it was "
                           "saved from a disabled instance of GradScaler.")
+    outside.keys("state_dict", state_dict, _STATE_KEYS)
     growth_factor = state_dict["growth_factor"]
     backoff_factor = state_dict["backoff_factor"]
     growth_interval = state_dict["growth_interval"]
     rule = self._make_rule(growth_factor, backoff_factor, growth_interval)
-    scale = validation.check_scale("scale", core.as_float("scale", state_dict["scale"]))
-    tracker = core.as_count("_growth_tracker", state_dict["_growth_tracker"])
+    scale = outside.scale("state_dict['scale']", state_dict["scale"], rule.min_scale,
+                          rule.max_scale)
+    tracker = outside.counter("state_dict['_growth_tracker']", state_dict["_growth_tracker"])
     self._rule = rule
     self._growth_factor = float(growth_factor)
     self._backoff_factor = float(backoff_factor)
@@ -581,7 +603,7 @@ def clip_grad_norm_(optimizer: Any, max_norm: float, norm_type: float | str = 2.
   grads = optimizer.grads
   if grads is None:
     raise ValueError("the optimizer holds no gradients to clip (call backward first)")
-  max_norm_ = jnp.float32(validation.check_real("max_norm", max_norm))
+  max_norm_ = jnp.float32(outside.max_norm("max_norm", max_norm))
   validation.check_bool("error_if_nonfinite", error_if_nonfinite)
   if foreach is not None:
     validation.check_bool("foreach", foreach)

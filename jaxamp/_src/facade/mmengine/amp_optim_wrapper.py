@@ -22,11 +22,11 @@ from jaxamp._src import state as state_lib
 from jaxamp._src import autocast as autocast_lib
 from jaxamp._src import loss_scale as ls
 from jaxamp._src import policy as policy_lib
+from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionTypeError
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade import stall
-from jaxamp._src.facade.mmengine.hyperparams import as_float
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
 
 _SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled",
@@ -55,9 +55,10 @@ def parse_loss_scale(loss_scale: Any) -> ScalerConfig:
   """Validates ``loss_scale`` as mmengine's ``AmpOptimWrapper`` takes it (see the class)."""
   if isinstance(loss_scale, str) and loss_scale == "dynamic":
     return ScalerConfig("dynamic")
-  if isinstance(loss_scale, float):
-    validation.check_scale("loss_scale", loss_scale)
-    return ScalerConfig("static", init_scale=float(loss_scale))
+  if isinstance(loss_scale, (float, np.floating)) or (
+      isinstance(loss_scale, (np.ndarray, jax.Array)) and np.ndim(loss_scale) == 0
+      and jnp.issubdtype(jnp.result_type(loss_scale), jnp.floating)):
+    return ScalerConfig("static", init_scale=outside.scale("loss_scale", loss_scale))
   if isinstance(loss_scale, Mapping):
     cfg = dict(loss_scale)
     for key in cfg:
@@ -324,21 +325,23 @@ class AmpOptimWrapper(OptimWrapper):
       raise ValueError(f"state_dict['loss_scaler'] must have the keys {list(_SCALER_STATE_KEYS)}: "
                        f"missing {missing}, unexpected {extra}")
     cfg = self._scaler
-    scale = validation.check_scale("loss_scaler['scale']", as_float("scale", scaler["scale"]))
-    tracker = scaler["_growth_tracker"]
-    hysteresis_tracker = scaler.get("_hysteresis_tracker", 0)
-    for name, value in (("_growth_tracker", tracker), ("_hysteresis_tracker", hysteresis_tracker)):
-      validation.check_int(f"loss_scaler[{name!r}]", value)
+    tracker = outside.counter("state_dict['loss_scaler']['_growth_tracker']",
+                              scaler["_growth_tracker"])
+    hysteresis_tracker = outside.counter("state_dict['loss_scaler']['_hysteresis_tracker']",
+                                         scaler.get("_hysteresis_tracker", 0))
     new_cfg = cfg
     if cfg.kind == "dynamic":
-      new_cfg = dataclasses.replace(
-          cfg, growth_factor=as_float("growth_factor", scaler["growth_factor"]),
-          backoff_factor=as_float("backoff_factor", scaler["backoff_factor"]),
-          growth_interval=scaler["growth_interval"])
-      ls.make_rule(growth_factor=new_cfg.growth_factor, backoff_factor=new_cfg.backoff_factor,
-                   growth_interval=new_cfg.growth_interval, hysteresis=new_cfg.hysteresis,
-                   min_scale=new_cfg.min_scale, max_scale=new_cfg.max_scale)
-      new_cfg = dataclasses.replace(new_cfg, growth_interval=int(new_cfg.growth_interval))
+      rule = ls.make_rule(growth_factor=scaler["growth_factor"],
+                          backoff_factor=scaler["backoff_factor"],
+                          growth_interval=scaler["growth_interval"], hysteresis=cfg.hysteresis,
+                          min_scale=cfg.min_scale, max_scale=cfg.max_scale)
+      new_cfg = dataclasses.replace(cfg, growth_factor=rule.growth_factor,
+                                    backoff_factor=rule.backoff_factor,
+                                    growth_interval=rule.growth_interval)
+      scale = outside.scale("state_dict['loss_scaler']['scale']", scaler["scale"],
+                            rule.min_scale, rule.max_scale)
+    else:
+      scale = outside.scale("state_dict['loss_scaler']['scale']", scaler["scale"])
 
     def install(state):
       if new_cfg != self._scaler:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import optax
 
 from jaxamp._src import clipping
+from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionTypeError
 from jaxamp._src.facade.errors import AssertionValueError
@@ -70,9 +71,9 @@ def parse_clip_grad(clip_grad: Optional[dict]) -> Optional[ClipConfig]:
   if required not in cfg:
     raise TypeError(f"{func}() missing 1 required positional argument: '{required}'")
   if kind == "value":
-    value = validation.check_real("clip_value", cfg["clip_value"])
+    value = outside.clip_value("clip_grad['clip_value']", cfg["clip_value"])
     return ClipConfig("value", clip_value=value)
-  max_norm = validation.check_real("max_norm", cfg["max_norm"])
+  max_norm = outside.max_norm("clip_grad['max_norm']", cfg["max_norm"])
   norm_type = cfg.get("norm_type", 2.0)
   clipping.norm_order(norm_type)
   error = validation.check_bool("error_if_nonfinite", cfg.get("error_if_nonfinite", False))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._src import validation
+from jaxamp._src import outside
 
 if TYPE_CHECKING:
   from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
@@ -86,8 +86,18 @@ def complement_codec(key: str, name: str) -> HyperparamCodec:
 
 
 def as_float(name: str, value: Any) -> float:
-  """A Python float from a real number or a one-element array (host value)."""
-  return validation.check_real(name, validation.one_element(value))
+  """A hyperparameter written after construction, as a float: finite, and in PyTorch's range.
+
+  ``name`` is the optax key or the PyTorch name (``'learning_rate'``,
+  ``'betas[0]'``), which selects the range (see :func:`jaxamp._src.outside.hyperparam`).
+  """
+  return outside.hyperparam(name, value)
+
+
+def _named(where: str, err: Exception) -> Exception:
+  """``err`` of the same type, its message prefixed with where the value was written."""
+  out = type(err)(f"{where}: {err}")
+  return out
 
 
 def shortest_float(array: np.ndarray) -> float:
@@ -172,7 +182,10 @@ class ParamGroup(MutableMapping):
     if key == "params":
       raise ValueError("The 'params' of a parameter group cannot be changed; build a new wrapper.")
     if key in spec.codecs:
-      self._wrapper._write_hyperparam(self._index, key, value)  # noqa: SLF001
+      try:
+        self._wrapper._write_hyperparam(self._index, key, value)  # noqa: SLF001
+      except (TypeError, ValueError) as err:
+        raise _named(f"param_groups[{self._index}][{key!r}]", err) from None
     elif key in spec.fixed:
       if value != spec.fixed[key]:
         raise ValueError(f"{key!r} selects code and is fixed at construction "
@@ -245,7 +258,9 @@ def load_groups(groups: Any, specs: List[GroupSpec], opt_state: Any
       code-selecting hyperparameter (``nesterov``...) of another value.
     TypeError: a group that is not a dict.
   """
-  if not isinstance(groups, (list, tuple)) or len(groups) != len(specs):
+  if not isinstance(groups, (list, tuple)):
+    raise TypeError(f"state_dict['param_groups'] must be a list of dicts, got {groups!r}")
+  if len(groups) != len(specs):
     raise ValueError("loaded state dict has a different number of parameter groups")
   writes = []
   extras = []
@@ -253,6 +268,10 @@ def load_groups(groups: Any, specs: List[GroupSpec], opt_state: Any
     if not isinstance(group, Mapping):
       raise TypeError(f"param_groups[{index}] must be a dict, got {type(group).__name__}")
     names = group.get("params")
+    if names is not None and not (isinstance(names, (list, tuple))
+                                  and all(isinstance(n, str) for n in names)):
+      raise TypeError(f"state_dict['param_groups'][{index}]['params'] must be a list of "
+                      f"parameter names, got {names!r}")
     if spec.names is not None and names is not None and list(names) != list(spec.names):
       raise ValueError("loaded state dict contains a parameter group that doesn't match the "
                        "size of optimizer's group")
@@ -261,7 +280,10 @@ def load_groups(groups: Any, specs: List[GroupSpec], opt_state: Any
       if key == "params":
         continue
       if key in spec.codecs:
-        opt_state = with_hyperparam(opt_state, index, spec.codecs[key], value)
+        try:
+          opt_state = with_hyperparam(opt_state, index, spec.codecs[key], value)
+        except (TypeError, ValueError) as err:
+          raise _named(f"state_dict['param_groups'][{index}][{key!r}]", err) from None
         writes.append((index, key, value))
       elif key in spec.fixed:
         if value != spec.fixed[key]:

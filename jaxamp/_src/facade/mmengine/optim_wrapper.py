@@ -27,6 +27,7 @@ from jaxamp._src import state as state_lib
 from jaxamp._src import finite
 from jaxamp._src import selective_update
 from jaxamp._src import clipping
+from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionTypeError
 from jaxamp._src.facade.mmengine import hyperparams as hp
@@ -877,6 +878,7 @@ class OptimWrapper:
       raise ValueError(f"state_dict must have exactly the keys {sorted(expected)}: missing "
                        f"{missing}, unexpected {extra}")
     opt_state = trees.validated_like(state_dict["state"], self.opt_state, "state_dict['state']")
+    outside.validate_opt_state(opt_state)
     opt_state, commit_groups = hp.load_groups(state_dict["param_groups"], self._group_specs(),
                                               opt_state)
 

@@ -147,9 +147,24 @@ class OptimWrapperDict(OptimWrapper):
     return {name: wrapper.state_dict() for name, wrapper in self.optim_wrappers.items()}
 
   def load_state_dict(self, state_dict: dict) -> None:
-    """Loads ``{name: state_dict}``; every entry is validated before any is loaded."""
+    """Loads ``{name: state_dict}``; every entry is validated before any is loaded.
+
+    Raises:
+      KeyError: (also an ``AssertionError``, mmengine's type) a name that is
+        not a wrapper here, or a wrapper without an entry (mmengine leaves it
+        silently unrestored).
+    """
     if not isinstance(state_dict, Mapping):
       raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    for name in state_dict:
+      if name not in self.optim_wrappers:
+        raise AssertionKeyError(f"Mismatched `state_dict`! cannot found {name} in "
+                                 "OptimWrapperDict")
+    missing = [name for name in self.optim_wrappers if name not in state_dict]
+    if missing:
+      raise AssertionKeyError(f"Mismatched `state_dict`! it holds no entry for {missing} of this "
+                              "OptimWrapperDict (it has "
+                              f"{list(self.optim_wrappers)}): those would not be restored")
     commits = []
     for name, sub in state_dict.items():
       if name not in self.optim_wrappers:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src import validation
+from jaxamp._src import outside
 
 
 def _key_name(key: Any) -> str:
@@ -131,7 +132,8 @@ def validated_like(value: Any, reference: Any, what: str) -> Any:
     if isinstance(leaf, (numbers.Number, np.generic)) and not isinstance(leaf, jax.Array):
       leaf = np.asarray(leaf)
       if jnp.shape(ref) == () and np.can_cast(leaf.dtype, ref.dtype, "same_kind"):
-        leaf = leaf.astype(ref.dtype)
+        # A Python number is cast only when the cast keeps it (2**40 is no int32).
+        leaf = outside.fits(f"{what} leaf {where(path)}", leaf, ref.dtype)
     if not is_array(leaf):
       raise TypeError(f"{what} leaf {where(path)} must be an array, got {type(leaf).__name__}")
     if tuple(leaf.shape) != tuple(jnp.shape(ref)) or jnp.dtype(leaf.dtype) != jnp.dtype(ref.dtype):
