@@ -16,7 +16,7 @@ LAYERS = [
      "facade.errors", "facade.mmengine.sharding_pins"],
     ["outside"],
     ["state", "finite", "autocast", "facade.mmengine.trees"],
-    ["selective_update", "clipping", "facade.scaled_loss"],
+    ["selective_update", "clipping", "fp8", "low_precision", "facade.scaled_loss"],
     ["loss_scale", "accumulation", "microbatch", "train_state", "nnx_optimizer"],
     ["facade.stall", "facade.mmengine.counting", "facade.mmengine.clip",
      "facade.mmengine.jit_args"],
