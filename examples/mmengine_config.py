@@ -93,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
       print(f"iter {i + 1:4d}  loss {float(losses[-1]):.4f}  lr {wrapper.get_lr()['lr']}  "
             f"scale {wrapper.get_scale():g}  grad_norm {float(wrapper.last_grad_norm):.3f}")
 
-  groups = [(g["params"], g["lr"], g["weight_decay"]) for g in wrapper.param_groups]
+  groups = [(g["params"], g["lr"], g["weight_decay"]) for g in wrapper.optimizer.param_groups]
   for names, lr, weight_decay in groups:
     print(f"group lr={lr:g} weight_decay={weight_decay:g}: {', '.join(names)}")
   state = wrapper.state_dict()

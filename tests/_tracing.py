@@ -1,11 +1,13 @@
-"""Counts the traces of the optimizer wrappers' jitted functions, by name, per wrapper.
+"""Counts the traces of the optimizer wrappers' jitted steps, by kind, per wrapper.
 
-A wrapper builds one jitted function per step kind (``'grad'``, ``'grad_acc'``,
-``'fused'``, ``'fused_acc'``, ``'apply'``, ``'apply_skip'``, ``'apply_scaled'``)
-from its traced implementations, which take that name as their first
-argument. :func:`install` wraps those implementations so that each trace is
-counted; :func:`trace_counts` reads a wrapper's counts. tests/conftest.py
-installs the counters for the whole session.
+A wrapper jits four traced implementations (``_grad_impl``, ``_fused_impl``,
+``_apply_impl``, ``_apply_scaled_impl``). :func:`install` wraps them so that
+each trace is counted under the kind of step it is, read from its arguments:
+``'grad'`` or ``'grad_acc'`` (a backward pass without or with gradients to add
+to), ``'fused'`` or ``'fused_acc'`` (backward and step in one call),
+``'apply'`` or ``'apply_skip'`` (a step without or with an external skip flag)
+and ``'apply_scaled'``. :func:`trace_counts` reads a wrapper's counts.
+tests/conftest.py installs the counters for the whole session.
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ import weakref
 
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
 
-# The implementations whose every trace is one trace of the jitted function named by
-# their first argument (``_apply_scaled_impl`` traces through ``_apply_impl``).
-_COUNTED = ("_grad_impl", "_apply_impl", "_fused_impl")
+# Each implementation and how its arguments (after self) name the kind of step.
+_KINDS = {
+    "_grad_impl": lambda params, buffer, *rest: "grad" if buffer is None else "grad_acc",
+    "_fused_impl": lambda params, state, buffer, *rest: "fused" if buffer is None else "fused_acc",
+    "_apply_impl": lambda params, state, grads, skip=None: "apply" if skip is None else "apply_skip",
+    "_apply_scaled_impl": lambda *args: "apply_scaled",
+}
 _COUNTS: "weakref.WeakKeyDictionary[OptimWrapper, collections.Counter]" = (
     weakref.WeakKeyDictionary())
 
 
-def _counting(method):
+def _counting(method, kind):
   @functools.wraps(method)
-  def counted(self, name, *args, **kwargs):
-    _COUNTS.setdefault(self, collections.Counter())[name] += 1
-    return method(self, name, *args, **kwargs)
+  def counted(self, *args, **kwargs):
+    _COUNTS.setdefault(self, collections.Counter())[kind(*args, **kwargs)] += 1
+    return method(self, *args, **kwargs)
 
   counted.jaxamp_counted = True
   return counted
@@ -35,12 +41,12 @@ def _counting(method):
 
 def install() -> None:
   """Wraps the traced implementations of ``OptimWrapper`` (once)."""
-  for attr in _COUNTED:
+  for attr, kind in _KINDS.items():
     method = getattr(OptimWrapper, attr)
     if not getattr(method, "jaxamp_counted", False):
-      setattr(OptimWrapper, attr, _counting(method))
+      setattr(OptimWrapper, attr, _counting(method, kind))
 
 
 def trace_counts(wrapper: OptimWrapper) -> collections.Counter:
-  """How often each jitted function of ``wrapper`` was traced (a live ``Counter``)."""
+  """How often each kind of jitted step of ``wrapper`` was traced (a live ``Counter``)."""
   return _COUNTS.setdefault(wrapper, collections.Counter())

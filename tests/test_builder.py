@@ -180,8 +180,11 @@ def test_defaults_hyperparameters_and_set_lr_without_recompiling():
      "Unknown key 'lr_mul' in custom_keys\\['a'\\]"),
     (dict(optimizer=dict(type="SGD", lr=0.1), paramwise_cfg=[1]), TypeError,
      "paramwise_cfg should be None or a dict"),
-    (dict(optimizer=dict(type="SGD"), constructor="MyConstructor"), ValueError,
+    (dict(optimizer=dict(type="SGD"), constructor="MyConstructor"), KeyError,
      "Unknown constructor"),
+    # Doubly invalid: mmengine checks paramwise_cfg before the optimizer (a TypeError).
+    (dict(optimizer=dict(lr=0.1), paramwise_cfg=["error"]), TypeError,
+     "paramwise_cfg should be None or a dict"),
 ])
 def test_config_errors(cfg, err, match):
   original = copy.deepcopy(cfg)
@@ -235,7 +238,7 @@ def test_paramwise_rules_and_groups():
   assert seen.keys() == EXPECTED.keys()
   for name, values in EXPECTED.items():
     assert seen[name] == pytest.approx(values), name
-  groups = wrapper.param_groups
+  groups = wrapper.optimizer.param_groups
   assert len(groups) == len(set(EXPECTED.values()))
   assert [g["lr"] for g in groups] == wrapper.get_lr()["lr"]
   head = next(g for g in groups if "head.dense.kernel" in g["params"])

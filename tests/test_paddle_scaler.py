@@ -61,7 +61,7 @@ def test_reference_hysteresis_example(how):
 
 
 def test_alternating_good_and_bad_never_lowers_the_scale():
-  scaler = jaxamp.paddle.GradScaler(init_loss_scaling=64.0)  # decr_every_n_nan_or_inf=2
+  scaler = jaxamp.paddle.GradScaler(init_loss_scaling=64.0, decr_every_n_nan_or_inf=2)
   scales, opt = _run(scaler, set(range(1, 20, 2)), 20)
   assert scales == [64.0] * 20
   assert scaler.state_dict()["decr_count"] == 1 and scaler.state_dict()["incr_count"] == 0
@@ -70,7 +70,8 @@ def test_alternating_good_and_bad_never_lowers_the_scale():
 
 
 def test_two_bad_one_good_patterns():
-  scaler = jaxamp.paddle.GradScaler(init_loss_scaling=64.0, incr_every_n_steps=2)
+  scaler = jaxamp.paddle.GradScaler(init_loss_scaling=64.0, incr_every_n_steps=2,
+                                    decr_every_n_nan_or_inf=2)
   pattern = [1, 1, 0, 1, 1, 0, 0, 1, 0, 0]  # 1 = bad
   scales, _ = _run(scaler, {i for i, b in enumerate(pattern) if b}, len(pattern))
   assert scales == [64, 32, 32, 32, 16, 16, 32, 32, 32, 64]
@@ -231,9 +232,10 @@ def test_constructor_and_setter_errors():
 def test_getters_setters_and_defaults():
   scaler = jaxamp.paddle.GradScaler()
   assert scaler.is_enable() and scaler.is_use_dynamic_loss_scaling()
+  # Paddle 3.3.1's paddle.amp.GradScaler defaults.
   assert (scaler.get_init_loss_scaling(), scaler.get_incr_ratio(), scaler.get_decr_ratio(),
           scaler.get_incr_every_n_steps(), scaler.get_decr_every_n_nan_or_inf()) == (
-              32768.0, 2.0, 0.5, 1000, 2)
+              65536.0, 2.0, 0.5, 2000, 1)
   scaler.set_init_loss_scaling(1000)
   scaler.set_incr_ratio(3.0)
   scaler.set_decr_ratio(0.1)

@@ -87,14 +87,9 @@ def _cast(x, dtype):
 
 
 def _widest(dtypes: Sequence[jnp.dtype]) -> jnp.dtype:
-  """The widest of some floating dtypes; two different ones of one width give the next width."""
-  unique = sorted(set(dtypes), key=lambda d: d.itemsize)
-  if len(unique) == 1:
-    return unique[0]
-  top = unique[-1]
-  if sum(d.itemsize == top.itemsize for d in unique) > 1:  # float16 with bfloat16
-    return _F32 if top.itemsize < 4 else _F64
-  return top
+  """The widest of some floating dtypes, by JAX's promotion (float16 with bfloat16: float32)."""
+  with jax.numpy_dtype_promotion("standard"):  # a strict program refuses float16 + bfloat16
+    return functools.reduce(jnp.promote_types, dtypes)
 
 
 def _dtype_of(x):

@@ -165,25 +165,7 @@ def clip_grad_value(clip_value: float) -> optax.GradientTransformation:
     >>> tx.update(grads, tx.init(grads))[0]['w']
     Array([-0.5 ,  0.25,  0.5 ], dtype=float32)
   """
-  value = outside.clip_value("clip_value", clip_value)
-
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
-  def update_fn(updates, state, params=None):
-    del params
-
-    def clamp(g):
-      if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
-        return g
-      low = jnp.asarray(-value, g.dtype)
-      high = jnp.asarray(value, g.dtype)
-      return jnp.minimum(jnp.maximum(g, low), high)
-
-    return jax.tree.map(clamp, updates), state
-
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.clip(outside.clip_value("clip_value", clip_value))
 
 
 def check_total_norm(total_norm: Any, norm_type: float | str = 2.0) -> None:

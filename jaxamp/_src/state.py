@@ -15,7 +15,7 @@ the gradients, without knowing its type.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +145,13 @@ def find_states(opt_state: optax.OptState, cls: type) -> list[Any]:
   """Every node of type ``cls`` inside ``opt_state``, outermost first."""
   return [n for n in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, cls))
           if isinstance(n, cls)]
+
+
+def replace_states(opt_state: optax.OptState, cls: type, fn: Callable[[Any], Any]
+                   ) -> optax.OptState:
+  """``opt_state`` with each outermost node of type ``cls`` replaced by ``fn(node)``."""
+  return jax.tree.map(lambda n: fn(n) if isinstance(n, cls) else n, opt_state,
+                      is_leaf=lambda n: isinstance(n, cls))
 
 
 _SKIPPING_STATES: set[type] = {LossScaleState}

@@ -195,3 +195,8 @@ def check_float_dtype(name: str, dtype: Any, *, allow_none: bool = False) -> Opt
   if not jnp.issubdtype(out, jnp.floating):
     raise ValueError(f"{name} must be {accepted} (float32 is usual), got {out}")
   return out
+
+
+def is_array(x: Any) -> bool:
+  """Whether ``x`` is a JAX or numpy array (or numpy scalar)."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))

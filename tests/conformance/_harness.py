@@ -8,7 +8,10 @@ runs them all, sharing the compiled functions between the assertions:
 - the loss traces under ``jaxamp.autocast``;
 - the unscaled gradients of the first (loss-scaled) step are float32 and
   within :data:`GRAD_TOL` (relative L2 error over all leaves) of the float32
-  gradients of the loss without autocast;
+  gradients of the loss without autocast (for a model whose backward rule is
+  not linear in its cotangent, such as a clip, of the float32 gradients of the
+  loss times the first step's scale, divided by it: the rule sees the scaled
+  cotangent, as it does under PyTorch's GradScaler);
 - every matmul and convolution of the autocast program takes ``dtype`` inputs,
   and every precision-sensitive op (exp, log, sums, square roots) float32 ones;
 - the jitted step with ``jaxamp.dynamic_loss_scale`` lowers the loss on a
@@ -40,6 +43,7 @@ MATMUL = ("dot_general",)
 CONV = ("dot_general", "conv_general_dilated")
 FLOAT32_OPS = ("exp", "log", "log1p", "expm1", "reduce_sum", "sqrt", "rsqrt", "logistic")
 TRAIN_STEPS = 6
+INIT_SCALE = 2.0**10  # the loss scale of every trainer's first step
 #: The steps here compile without XLA's expensive backend passes, to keep the suite fast; the
 #: soundness of the skip under XLA's optimizations is tested in tests/test_soundness.py.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -74,6 +78,7 @@ class Case:
   trainer: Callable[[Any], Trainer]  # trainer(dtype)
   has_stats: bool = False
   low_ops: tuple = MATMUL
+  rule_sees_scale: bool = False  # a backward rule not linear in its cotangent (a clip)
 
 
 def sub_jaxprs(value: Any):
@@ -144,7 +149,9 @@ def check(case: Case, dtype: Any, name: str) -> None:
   for g in jax.tree.leaves(grads):
     assert g.dtype == jnp.float32
   if name not in _reference_grads:
-    _reference_grads[name] = jax.jit(jax.grad(case.loss))(case.params, case.batch)
+    scale = INIT_SCALE if case.rule_sees_scale else 1.0
+    scaled = jax.jit(jax.grad(lambda p, b: case.loss(p, b) * scale))(case.params, case.batch)
+    _reference_grads[name] = jax.tree.map(lambda g: g / scale, scaled)
   ref = _flat(_reference_grads[name])
   err = np.linalg.norm(_flat(grads) - ref) / np.linalg.norm(ref)
   assert err < GRAD_TOL[dtype], f"relative gradient error {err:.3g} in {dtype}"
@@ -189,7 +196,7 @@ def nan_like(x: jax.Array, index: Optional[tuple] = None) -> jax.Array:
   return x.at[index].set(jnp.nan)
 
 
-def make_tx(init_scale: float = 2.0**10, lr: float = 1e-2) -> Any:
+def make_tx(init_scale: float = INIT_SCALE, lr: float = 1e-2) -> Any:
   """The loss-scaled optimizer every conformance trainer uses."""
   return jaxamp.dynamic_loss_scale(_optax.adam(lr), init_scale=init_scale)
 

@@ -95,7 +95,7 @@ ACTIVATIONS = {
 }
 
 
-def _rule_case(kind):
+def _rule_case(kind, rule_sees_scale=False):
   act = ACTIVATIONS[kind]
 
   def loss(params, batch):
@@ -108,6 +108,7 @@ def _rule_case(kind):
   params = _mlp_params()
   return _harness.Case(
       loss=loss, params=params, batch=(X, LABELS), nan_batch=(_harness.nan_like(X), LABELS),
+      rule_sees_scale=rule_sees_scale,
       trainer=lambda dtype: _harness.FunctionalTrainer(loss_with_stats, params, {}, dtype))
 
 
@@ -200,26 +201,16 @@ def _attn_case():
 
 CASES = {
     "custom_vjp_fwd_calls_primal": lambda: _rule_case("custom_vjp_fwd_calls_primal"),
-    "custom_vjp_input_residual": lambda: _rule_case("custom_vjp_input_residual"),
+    # Its backward rule clips the cotangent: it clips the loss-scaled one.
+    "custom_vjp_input_residual": lambda: _rule_case("custom_vjp_input_residual", True),
     "optax_scale_gradient": lambda: _rule_case("optax_scale_gradient"),
     "fori_loop_checkpoint_policy_named_scope": _stack_case,
     "attention_embeddings_dropout_stats": _attn_case,
 }
 
 
-def _xfail(reason):
-  return pytest.mark.xfail(strict=True, reason=reason)
-
-
-_MARKS = {
-    # Traces, keeps its dtypes and trains; but the clip in its backward rule sees the cotangents
-    # of the loss-scaled step (as in PyTorch), so the unscaled gradients are clipped at 1/scale.
-    "custom_vjp_input_residual": _xfail("a clip inside a backward rule clips loss-scaled "
-                                        "cotangents: gradients differ from float32's"),
-}
-
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_MARKS.get(n, ())) for n in sorted(CASES)])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_pure_jax_model(name, dtype):
   _harness.check(CASES[name](), dtype, "jax/" + name)

@@ -402,8 +402,8 @@ def build_optim_wrapper(params: Any, cfg: Mapping[str, Any]) -> OptimWrapper:
     ...     paramwise_cfg=dict(bias_decay_mult=0.0,
     ...                        custom_keys={'backbone': dict(lr_mult=0.1)})))
     >>> wrapper.get_lr()
-    {'lr': [0.010000000000000002, 0.1, 0.1]}
-    >>> [(g['params'], g['weight_decay']) for g in wrapper.param_groups]
+    {'base_lr': [0.1], 'lr': [0.010000000000000002, 0.1, 0.1]}
+    >>> [(g['params'], g['weight_decay']) for g in wrapper.optimizer.param_groups]
     [(['backbone.bias', 'backbone.kernel'], 0.0001), (['head.bias'], 0.0), (['head.kernel'], 0.0001)]
   """
   if not isinstance(cfg, Mapping):
@@ -411,12 +411,16 @@ def build_optim_wrapper(params: Any, cfg: Mapping[str, Any]) -> OptimWrapper:
   cfg = dict(cfg)
   constructor = cfg.pop("constructor", None)
   if constructor not in (None, "DefaultOptimWrapperConstructor"):
-    raise ValueError(f"Unknown constructor {constructor!r}; accepted: "
-                     "['DefaultOptimWrapperConstructor']")
+    # mmengine's registry raises KeyError for a name it does not hold.
+    raise KeyError(f"Unknown constructor {constructor!r}; accepted: "
+                   "['DefaultOptimWrapperConstructor']")
   if "optimizer" not in cfg:
     raise AssertionValueError('`optim_wrapper_cfg` must contain "optimizer" config')
   optimizer_cfg = cfg.pop("optimizer")
   paramwise_cfg = cfg.pop("paramwise_cfg", None)
+  if paramwise_cfg is not None and not isinstance(paramwise_cfg, Mapping):
+    # Checked first, as mmengine's constructor does (a TypeError before any optimizer error).
+    raise TypeError(f"paramwise_cfg should be None or a dict, but got {type(paramwise_cfg)}")
   wrapper_cls = _wrapper_class(cfg.pop("type", "OptimWrapper"))
   accepted = (_WRAPPER_KEYS["AmpOptimWrapper"] if issubclass(wrapper_cls, AmpOptimWrapper)
               else _WRAPPER_KEYS["OptimWrapper"])

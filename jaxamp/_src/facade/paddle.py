@@ -111,6 +111,11 @@ class GradScaler:
     :class:`jaxamp.GradScaler` reports it (``on_stall``, ``stall_after``,
     ``stall_check_every``); Paddle skips silently, forever.
 
+  The defaults are Paddle 3.3.1's ``paddle.amp.GradScaler`` (65536, x2
+  after 2000 good steps, x0.5 after every bad one). Paddle's older
+  ``AmpScaler`` defaults to 32768/1000/1 and the 2.x documentation of
+  ``GradScaler`` gave 32768/1000/2: pass those values to reproduce such a run.
+
   Args:
     enable: whether to scale at all.
     init_loss_scaling: the initial scale, positive and finite.
@@ -134,7 +139,7 @@ class GradScaler:
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
     >>> opt = jaxamp.OptimWrapper(optax.sgd(0.5), {'w': jnp.ones(2)})
-    >>> scaler = jaxamp.paddle.GradScaler(init_loss_scaling=1024)
+    >>> scaler = jaxamp.paddle.GradScaler(init_loss_scaling=1024, decr_every_n_nan_or_inf=2)
     >>> loss_fn = lambda params, x: jnp.sum(params['w'] * x)
     >>> for x in (jnp.array([jnp.inf, 1.0]), jnp.array([1.0, 2.0]), jnp.array([jnp.nan, 1.0])):
     ...   loss = opt.backward(scaler.scale(loss_fn), x)
@@ -146,9 +151,9 @@ class GradScaler:
     Array(256., dtype=float32)
   """
 
-  def __init__(self, enable: bool = True, init_loss_scaling: float = 32768.0,
+  def __init__(self, enable: bool = True, init_loss_scaling: float = 65536.0,
                incr_ratio: float = 2.0, decr_ratio: float = 0.5,
-               incr_every_n_steps: int = 1000, decr_every_n_nan_or_inf: int = 2,
+               incr_every_n_steps: int = 2000, decr_every_n_nan_or_inf: int = 1,
                use_dynamic_loss_scaling: bool = True, *, on_stall: str = "warn",
                stall_after: int = loss_scale.DEFAULT_STALL_AFTER,
                stall_check_every: int = 10) -> None:

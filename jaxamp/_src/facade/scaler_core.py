@@ -38,16 +38,16 @@ import collections
 import dataclasses
 import enum
 import functools
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
-import numpy as np
 
 from jaxamp._src import finite
 from jaxamp._src import fp8
 from jaxamp._src import loss_scale
+from jaxamp._src import state as state_lib
 from jaxamp._src import validation
 from jaxamp._src.facade import stall
 
@@ -67,37 +67,17 @@ class OptimizerHolder(Protocol):
     """Clips, runs the optax update and applies it; nothing changes where ``skip`` is true."""
 
 
-class ScalerState(NamedTuple):
-  """The device state of a scaler facade.
-
-  Attributes:
-    scale: float32 scalar, the loss scale.
-    growth_tracker: int32, consecutive finite iterations since the scale last
-      changed (PyTorch's ``_growth_tracker``, Paddle's ``incr_count``).
-    overflow_count: int32, consecutive non-finite iterations not yet acted on
-      (Paddle's ``decr_count``; always 0 for PyTorch's rule).
-    skipped: bool, whether the last iteration found inf or nan.
-    skipped_steps: int32, iterations that found inf or nan, in total (saturates).
-    skip_streak: int32, consecutive such iterations up to the last one.
-    stalled: bool, whether ``skip_streak`` reached ``stall_after``, or the last
-      iteration found inf or nan at ``min_scale`` (see ``jaxamp.stalled``).
-  """
-
-  scale: jax.Array
-  growth_tracker: jax.Array
-  overflow_count: jax.Array
-  skipped: jax.Array
-  skipped_steps: jax.Array
-  skip_streak: jax.Array
-  stalled: jax.Array
+# The scalers' device state: a LossScaleState (the same fields as dynamic_loss_scale's, so the state
+# queries of jaxamp.state read it) with no per-leaf flags and no inner state.
+ScalerState = state_lib.LossScaleState
 
 
 def make_state(scale: Any, growth_tracker: Any = 0, overflow_count: Any = 0) -> ScalerState:
-  """Builds a :class:`ScalerState` with explicit dtypes (no step skipped yet)."""
+  """Builds a scaler's state with explicit dtypes (no step skipped yet)."""
   zero = jnp.zeros([], jnp.int32)
   return ScalerState(jnp.asarray(scale, jnp.float32), jnp.asarray(growth_tracker, jnp.int32),
                      jnp.asarray(overflow_count, jnp.int32), jnp.zeros([], jnp.bool_), zero, zero,
-                     jnp.zeros([], jnp.bool_))
+                     jnp.zeros([], jnp.bool_), jnp.zeros([0], jnp.bool_), ())
 
 
 def metrics(state: ScalerState) -> dict:
@@ -298,10 +278,11 @@ def _update_fn(rule: loss_scale.ScaleRule, stall_after: int
                                            state.overflow_count, found)
     streak = jnp.where(found, optax.safe_increment(state.skip_streak), 0).astype(jnp.int32)
     at_floor = rule.dynamic and state.scale <= jnp.float32(rule.min_scale)
-    return ScalerState(
-        scale, tracker, overflow, found,
-        jnp.where(found, optax.safe_increment(state.skipped_steps), state.skipped_steps),
-        streak, found & ((streak >= stall_after) | at_floor)), found
+    return state._replace(
+        scale=scale, growth_tracker=tracker, overflow_count=overflow, skipped=found,
+        skipped_steps=jnp.where(found, optax.safe_increment(state.skipped_steps),
+                                state.skipped_steps),
+        skip_streak=streak, stalled=found & ((streak >= stall_after) | at_floor)), found
 
   return update
 
@@ -313,9 +294,7 @@ def _update_fn(rule: loss_scale.ScaleRule, stall_after: int
 _KIND = "loss-scaling hyperparameters"
 
 
-def is_array(x: Any) -> bool:
-  """Whether ``x`` is a JAX or numpy array (or numpy scalar)."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+is_array = validation.is_array
 
 
 def as_float(name: str, value: Any) -> float:

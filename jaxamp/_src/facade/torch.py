@@ -567,7 +567,8 @@ def _clip_by_total_norm(grads: Any, max_norm: jax.Array, norm_type: float) -> tu
   return clipped, norm
 
 
-def clip_grad_norm_(optimizer: Any, max_norm: float, norm_type: float | str = 2.0) -> jax.Array:
+def clip_grad_norm_(optimizer: Any, max_norm: float, norm_type: float | str = 2.0,
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> jax.Array:
   """``torch.nn.utils.clip_grad_norm_`` on an optimizer holder's gradients, in place.
 
   The literal port of PyTorch's "unscale, clip, step" recipe::
@@ -586,6 +587,11 @@ def clip_grad_norm_(optimizer: Any, max_norm: float, norm_type: float | str = 2.
       (:class:`jaxamp.OptimWrapper`).
     max_norm: the largest total norm allowed.
     norm_type: the order of the norm: a float, or ``'inf'``.
+    error_if_nonfinite: as PyTorch: when true, a non-finite total norm
+      raises (and the gradients stay as they were). Reading the norm is a
+      host sync, so only this option waits for the device.
+    foreach: accepted for PyTorch's signature (``None``, ``True`` or
+      ``False``): it picks PyTorch's kernels; XLA fuses the computation either way.
 
   Returns:
     The total norm of the gradients before clipping.
@@ -594,6 +600,8 @@ def clip_grad_norm_(optimizer: Any, max_norm: float, norm_type: float | str = 2.
     TypeError: when ``optimizer`` holds no ``grads`` (a pytree of gradients
       cannot be changed in place: use :func:`jaxamp.clip_grad_norm`).
     ValueError: when there are no gradients to clip.
+    RuntimeError: with ``error_if_nonfinite=True``, when the total norm is
+      inf or nan (PyTorch's message).
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
@@ -610,6 +618,11 @@ def clip_grad_norm_(optimizer: Any, max_norm: float, norm_type: float | str = 2.
   if grads is None:
     raise ValueError("the optimizer holds no gradients to clip (call backward first)")
   max_norm_ = jnp.float32(outside.max_norm("max_norm", max_norm))
+  validation.check_bool("error_if_nonfinite", error_if_nonfinite)
+  if foreach is not None:
+    validation.check_bool("foreach", foreach)
   clipped, norm = _clip_by_total_norm(grads, max_norm_, clipping.norm_order(norm_type))
+  if error_if_nonfinite:
+    clipping.check_total_norm(norm, norm_type)
   optimizer.grads = clipped
   return norm

@@ -17,13 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from jaxamp._src import finite
-from jaxamp._src import fp8
 from jaxamp._src import state as state_lib
 from jaxamp._src import autocast as autocast_lib
-from jaxamp._src import clipping
 from jaxamp._src import loss_scale as ls
 from jaxamp._src import policy as policy_lib
 from jaxamp._src import outside
@@ -31,9 +27,7 @@ from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionTypeError
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade import stall
-from jaxamp._src.facade.mmengine import sharding_pins
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
-from jaxamp._src.facade.mmengine.optim_wrapper import fusable
 
 _SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled",
                 "device", "hysteresis", "min_scale", "max_scale")
@@ -239,15 +233,6 @@ class AmpOptimWrapper(OptimWrapper):
   def _scaling(self) -> bool:
     return self._scaler.kind != "disabled"
 
-  def _inner_of(self, state: Any) -> Any:
-    return state.inner_state if self._scaling else state
-
-  def _with_inner(self, state: Any, inner: Any) -> Any:
-    return state._replace(inner_state=inner) if self._scaling else inner
-
-  def _loss_scale_of(self, state: Any) -> Optional[jax.Array]:
-    return state.scale if self._scaling else None
-
   def _compute_in_dtype(self, loss_fn: Callable) -> Callable:
     if self._amp_policy is None:
       return loss_fn
@@ -255,49 +240,18 @@ class AmpOptimWrapper(OptimWrapper):
       return autocast_lib.autocast(loss_fn, self.cast_dtype)
     return policy_lib.mixed_precision(loss_fn, self._amp_policy)
 
-  def _update(self, params, state, grads, skip):
-    if not self._scaling:
-      return super()._update(params, state, grads, skip)
-    grads = sharding_pins.constrain(grads, self._shardings)
-    (params, old_fp8), (grads, new_fp8) = fp8.split(params), fp8.split(grads)
-    grads = fp8.flag_overflow(grads, new_fp8, state)
-    updates, new_state = self._tx.update(grads, state, params)
-    new_params = optax.apply_updates(params, updates)
-    # A skipped step leaves the params bit-identical (even -0.0, which + 0 would turn to 0.0).
-    # (Kept as a select with donation too: a conditional here would split the update from the
-    # addition and change the rounding, e.g. where XLA contracts them into one multiply-add.)
-    new_params = optax.tree.where(new_state.skipped, params, new_params)
-    norm = None
-    if self._clip is not None and self._clip.kind == "norm":
-      recorded = new_state.inner_state[0].total_norm
-      order = self._clip.norm_type
-      # A skipped step keeps the old inner state; measure the (non-finite) norm then.
-      norm = lax.cond(
-          new_state.skipped,
-          lambda: clipping.total_grad_norm(finite.unscale(grads, state.scale), order),
-          lambda: recorded)
-    applied = jnp.logical_not(new_state.skipped)
-    if skip is not None:
-      new_params = optax.tree.where(skip, params, new_params)
-      new_state = optax.tree.where(skip, state, new_state)
-      applied = jnp.logical_and(applied, jnp.logical_not(skip))
-    new_params = fp8.overwrite(new_params, old_fp8, new_fp8, applied)
-    return sharding_pins.constrain(new_params, self._shardings), new_state, norm
-
   def _cast_fn(self) -> Callable[[Any], Any]:
     policy = self._amp_policy
     if policy is None:
       return super()._cast_fn()
     return policy.cast_to_compute
 
-  @fusable
   def step(self, closure: Optional[Callable] = None) -> None:
     """Unscales, clips, skips or applies, and adjusts the scale, in one jitted call."""
     if closure is not None and self._scaling:
       raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
     super().step(closure)
 
-  @fusable
   def backward(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
                **kwargs: Any) -> Any:
     """Adds the gradients of the scaled loss ``loss_fn(params, ...) * scale`` to :attr:`grads`.
@@ -394,7 +348,7 @@ class AmpOptimWrapper(OptimWrapper):
       if new_cfg != self._scaler:
         self._scaler = new_cfg
         self._tx = self._build_transformation()
-        self._drop_jits()
+        self._build_steps()
       old = state
       return old._replace(
           scale=jax.device_put(np.float32(scale), old.scale.sharding),

@@ -124,8 +124,8 @@ class RetraceWatch:
     self._seen: Set[Any] = set()
     self._warned: Set[Any] = set()
 
-  def traced(self, name: str, spec: CallSpec, dynamic: Sequence[Any], params: Any) -> None:
-    """Call from the traced body of jitted function ``name`` for ``merge_call(spec, dynamic)``."""
+  def traced(self, name: Any, spec: CallSpec, dynamic: Sequence[Any], params: Any) -> None:
+    """Call from the traced body of a jitted step (``name``: its kind) for ``merge_call(spec, dynamic)``."""
     leaves = (*dynamic, *jax.tree.leaves(params))
     if not any(isinstance(x, jax.core.Tracer) for x in leaves):
       return  # run eagerly (jax.disable_jit), not traced

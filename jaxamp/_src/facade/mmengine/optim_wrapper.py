@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 from jaxamp._src import state as state_lib
 from jaxamp._src import finite
@@ -46,15 +47,44 @@ from jaxamp._src.facade.scaled_loss import divide
 _unscale = jax.jit(finite.unscale)
 
 
-def fusable(method: Callable) -> Callable:
-  """Marks a method whose behaviour the fused backward+step path reproduces.
+class OptimizerState(NamedTuple):
+  """The state of the wrapped optimizer, marked so the wrapper finds it by type in its state."""
 
-  ``update_params`` fuses backward, step and ``zero_grad`` into one jitted
-  call only when the class's ``backward`` and ``step`` are both marked: a
-  subclass overriding either without the mark gets the unfused path.
-  """
-  method.jaxamp_fusable = True  # type: ignore[attr-defined]
-  return method
+  state: Any
+
+
+def _marked(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``optimizer`` with its state held in an :class:`OptimizerState`."""
+
+  def init_fn(params):
+    return OptimizerState(optimizer.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, inner = optimizer.update(updates, state.state, params, **extra_args)
+    return updates, OptimizerState(inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def loss_scale_of(state: Any) -> Optional[state_lib.LossScaleState]:
+  """The wrapper's own loss-scale state: the root of its state, when it scales."""
+  return state if isinstance(state, state_lib.LossScaleState) else None
+
+
+# The methods update_params calls, in mmengine's order. It fuses them into one jitted call only
+# while none is overridden (by a subclass outside jaxamp or on the instance).
+_ITERATION_METHODS = ("scale_loss", "backward", "step", "zero_grad")
+
+
+def overrides_iteration(wrapper: Any) -> bool:
+  """Whether ``wrapper`` overrides a method that ``update_params`` calls (then it calls them)."""
+  for name in _ITERATION_METHODS:
+    if name in vars(wrapper):
+      return True
+    owner = next(c for c in type(wrapper).__mro__ if name in vars(c))
+    if not owner.__module__.startswith("jaxamp."):
+      return True
+  return False
 
 
 def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
@@ -227,6 +257,9 @@ class OptimWrapper:
     self._counter = AccumulationCounter(accumulative_counts)
     self._optimizer = check_optimizer(optimizer)
     self._clip = parse_clip_grad(clip_grad)
+    # mmengine keeps the clip_grad arguments without 'type'.
+    self.clip_grad_kwargs: Optional[dict] = (
+        None if clip_grad is None else {k: v for k, v in clip_grad.items() if k != "type"})
     self._params = trees.check_params(params)
     self._shardings = sharding_pins.param_shardings(self._params)
     self._tx = self._build_transformation()
@@ -236,11 +269,12 @@ class OptimWrapper:
     # ``grads`` reads them divided by this (unscaled on first read).
     self._grads_scale: Optional[jax.Array] = None
     self._last_grad_norm: Optional[jax.Array] = None
-    self._jits: Dict[str, Callable] = {}
-    self._retraces = RetraceWatch()
+    self._build_steps()
     self._factors: Dict[float, jax.Array] = {}
     self._specs: Optional[List[hp.GroupSpec]] = None
     self._defaults: Optional[dict] = None
+    self._base_param_settings: Any = _UNSET
+    self.optimizer = WrappedOptimizer(self)
 
   # -- the transformation and its state ---------------------------------------------------------
 
@@ -249,32 +283,17 @@ class OptimWrapper:
     return sharding_pins.replicate_scalars(self._tx.init(fp8.split(params)[0]), params)
 
   def _inner_transformation(self) -> optax.GradientTransformation:
+    """``chain(clip, optimizer)`` (or ``optimizer``), the optimizer's state marked by type."""
     if self._clip is None:
-      return self._optimizer
-    return optax.chain(self._clip.transformation(), self._optimizer)
+      return _marked(self._optimizer)
+    return optax.chain(self._clip.transformation(), _marked(self._optimizer))
 
   def _build_transformation(self) -> optax.GradientTransformation:
     return self._inner_transformation()
 
-  def _inner_of(self, state: Any) -> Any:
-    """The state of ``chain(clip, optimizer)`` (or of ``optimizer``) inside the full state."""
-    return state
-
-  def _with_inner(self, state: Any, inner: Any) -> Any:
-    del state
-    return inner
-
-  def _opt_of(self, state: Any) -> Any:
-    inner = self._inner_of(state)
-    return inner if self._clip is None else inner[1]
-
   def _with_opt(self, state: Any, opt_state: Any) -> Any:
-    inner = opt_state if self._clip is None else (self._inner_of(state)[0], opt_state)
-    return self._with_inner(state, inner)
-
-  def _loss_scale_of(self, state: Any) -> Optional[jax.Array]:
-    del state
-    return None
+    """``state`` with the optimizer's state replaced by ``opt_state``."""
+    return state_lib.replace_states(state, OptimizerState, lambda _: OptimizerState(opt_state))
 
   def _compute_in_dtype(self, loss_fn: Callable) -> Callable:
     """``loss_fn`` as it runs in the compute dtype (as written, here)."""
@@ -287,37 +306,20 @@ class OptimWrapper:
     """Whether the jitted steps donate the wrapper's buffers (see the class notes)."""
     return self._donate
 
-  def _drop_jits(self) -> None:
-    """Forgets the jitted steps (the transformation changed): the next calls compile anew."""
-    self._jits.clear()
-    self._retraces = RetraceWatch()
+  def _build_steps(self) -> None:
+    """(Re)builds the jitted steps from ``self._tx``: the next calls compile anew.
 
-  def _jitted(self, name: str) -> Callable:
-    fn = self._jits.get(name)
-    if fn is None:
-      # Only buffers that an output of the same shape can reuse are donated
-      # (XLA warns about the others): params and state into the new params
-      # and state, the accumulated gradients into the new sum.
-      donated: Tuple[int, ...] = ()
-      if name in ("grad", "grad_acc"):
-        if self._donate and name == "grad_acc":
-          donated = (1,)
-        fn = jax.jit(functools.partial(self._grad_impl, name), static_argnums=(5,),
-                     donate_argnums=donated)
-      elif name in ("fused", "fused_acc"):
-        if self._donate:
-          donated = (0, 1)
-        fn = jax.jit(functools.partial(self._fused_impl, name), static_argnums=(5,),
-                     donate_argnums=donated)
-      elif name in ("apply", "apply_skip", "apply_scaled"):
-        if self._donate:
-          donated = (0, 1)
-        impl = self._apply_scaled_impl if name == "apply_scaled" else self._apply_impl
-        fn = jax.jit(functools.partial(impl, name), donate_argnums=donated)
-      else:  # pragma: no cover
-        raise KeyError(name)
-      self._jits[name] = fn
-    return fn
+    Only buffers that an output of the same shape can reuse are donated (XLA
+    warns about the others): params and state into the new params and
+    state, the accumulated gradients into the new sum.
+    """
+    both: Tuple[int, ...] = (0, 1) if self._donate else ()
+    self._grad_step = jax.jit(self._grad_impl, static_argnums=(5,),
+                              donate_argnums=(1,) if self._donate else ())
+    self._fused_step = jax.jit(self._fused_impl, static_argnums=(5,), donate_argnums=both)
+    self._apply_step = jax.jit(self._apply_impl, donate_argnums=both)
+    self._apply_scaled_step = jax.jit(self._apply_scaled_impl, donate_argnums=both)
+    self._retraces = RetraceWatch()
 
   def _objective(self, spec: CallSpec, dynamic: Sequence[Any], factor: jax.Array,
                  scale: Optional[jax.Array]) -> Callable:
@@ -327,6 +329,11 @@ class OptimWrapper:
       # PyTorch loop logs, the loss before scaler.scale).
       scale = loss_fn.scale if scale is None else state_lib.multiply_by_scale(loss_fn.scale, scale)
       loss_fn = functools.partial(_unscaled_call, loss_fn)
+    divisor = None
+    if isinstance(loss_fn, DividedLoss):
+      # scale_loss(loss_fn): differentiate the divided loss, return the loss itself (what
+      # update_params returns).
+      divisor, loss_fn = loss_fn.factor, loss_fn.fn
     loss_fn = self._compute_in_dtype(loss_fn)
 
     def objective(params):
@@ -342,6 +349,8 @@ class OptimWrapper:
       if loss.shape != ():
         raise TypeError(f"loss_fn must return a scalar loss, got shape {loss.shape}")
       value = divide(loss, factor)
+      if divisor is not None:
+        value = divide(value, divisor)
       if scale is not None:
         value = state_lib.multiply_by_scale(value, scale)
       return value, (loss, aux)
@@ -354,11 +363,10 @@ class OptimWrapper:
     out = (loss, aux) if spec.has_aux else loss
     return out, grads
 
-  # The traced implementations take the jitted function's name first (``'grad'``,
-  # ``'apply_skip'``, ...), the key of ``_jits``.
+  # The traced implementations of the jitted steps.
 
-  def _grad_impl(self, name, params, buffer, dynamic, factor, scale, spec):
-    self._retraces.traced(name, spec, dynamic, params)
+  def _grad_impl(self, params, buffer, dynamic, factor, scale, spec):
+    self._retraces.traced(("backward", buffer is None), spec, dynamic, params)
     out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
     if buffer is not None:
       # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
@@ -366,46 +374,67 @@ class OptimWrapper:
     return out, sharding_pins.constrain(grads, self._shardings)
 
   def _update(self, params, state, grads, skip):
-    """Traced: one optimizer step. Returns ``(params, state, grad_norm)``."""
+    """Traced: one optimizer step. Returns ``(params, state, grad_norm)``.
+
+    The only update path: ``self._tx`` (with :class:`AmpOptimWrapper` the
+    core's loss scaling, which skips a non-finite step by selection), and,
+    with an external ``skip``, the core's selection around it (no copy of
+    the state).
+    """
     grads = sharding_pins.constrain(grads, self._shardings)
     (params, old_fp8), (grads, new_fp8) = fp8.split(params), fp8.split(grads)
+    # A non-finite fp8 value (a saturated overflow) skips the step where the step can skip.
+    grads = fp8.flag_overflow(grads, new_fp8, state)
     if skip is None:
       updates, new_state = self._tx.update(grads, state, params)
     else:
-      # The step counts only where not skipped, selected where the optimizer
-      # computes it (no copy of the state); the clipping state, with the norm,
-      # advances either way.
       updates, new_state = selective_update.select_update(
           jnp.logical_not(skip), lambda: self._tx.update(grads, state, params), state)
-      if self._clip is not None:
-        _, clip_state = self._clip.transformation().update(grads, self._inner_of(state)[0], params)
-        new_state = self._with_inner(new_state, (clip_state, self._opt_of(new_state)))
     new_params = optax.apply_updates(params, updates)
     applied = state_lib.update_applied(state, new_state)
     if skip is not None:
       applied = jnp.logical_and(applied, jnp.logical_not(skip))
     new_params = fp8.overwrite(new_params, old_fp8, new_fp8, applied)
-    norm = None
-    if self._clip is not None and self._clip.kind == "norm":
-      norm = self._inner_of(new_state)[0].total_norm
+    norm = self._grad_norm(state, new_state, grads, skip)
     return sharding_pins.constrain(new_params, self._shardings), new_state, norm
 
-  def _apply_impl(self, name, params, state, grads, skip=None):
-    del name
+  def _grad_norm(self, state, new_state, grads, skip) -> Optional[jax.Array]:
+    """Traced: the total norm before clipping (``None`` without norm clipping).
+
+    The clipping state records it when the step is applied; a skipped step
+    (an external ``skip``, or a non-finite step the loss scaling skipped)
+    keeps the old state, so the norm of its (unscaled) gradients is measured.
+    """
+    clip = self._clip
+    if clip is None or clip.kind != "norm":
+      return None
+    recorded = state_lib.find_states(new_state, state_lib.ClipGradNormState)[0].total_norm
+    scaling, new_scaling = loss_scale_of(state), loss_scale_of(new_state)
+    flags = [f for f in (skip, None if new_scaling is None else new_scaling.skipped)
+             if f is not None]
+    if not flags:
+      return recorded
+    unscaled = grads if scaling is None else finite.unscale(grads, scaling.scale)
+    return lax.cond(functools.reduce(jnp.logical_or, flags),
+                    lambda: clipping.total_grad_norm(unscaled, clip.norm_type),
+                    lambda: recorded)
+
+  def _apply_impl(self, params, state, grads, skip=None):
     return self._update(params, state, grads, skip)
 
-  def _apply_scaled_impl(self, name, params, state, grads, scale):
+  def _apply_scaled_impl(self, params, state, grads, scale):
     grads, values = fp8.split(grads)  # Flax's fp8 values: not unscaled; inf only when overflowed
     found_inf = jnp.logical_not(finite.unscaled_all_finite(grads, scale))
     if values is not None:
       found_inf = jnp.logical_or(found_inf, jnp.logical_not(finite.all_finite(values)))
-    params, state, norm = self._apply_impl(
-        name, params, state, fp8.merge(finite.unscale(grads, scale), values), found_inf)
+    params, state, norm = self._update(
+        params, state, fp8.merge(finite.unscale(grads, scale), values), found_inf)
     return params, state, norm, found_inf
 
-  def _fused_impl(self, name, params, state, buffer, dynamic, factor, spec):
-    self._retraces.traced(name, spec, dynamic, params)
-    scale = self._loss_scale_of(state)
+  def _fused_impl(self, params, state, buffer, dynamic, factor, spec):
+    self._retraces.traced(("update_params", buffer is None), spec, dynamic, params)
+    scaling = loss_scale_of(state)
+    scale = None if scaling is None else scaling.scale
     out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
     if buffer is not None:
       # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
@@ -434,7 +463,7 @@ class OptimWrapper:
   @property
   def opt_state(self) -> Any:
     """The optax state of ``optimizer`` (without the clipping or loss-scale state)."""
-    return self._opt_of(self._state)
+    return state_lib.find_states(self._state, OptimizerState)[0].state
 
   @property
   def grads(self) -> Optional[Any]:
@@ -474,7 +503,14 @@ class OptimWrapper:
 
   # mmengine's attribute names, which ported hooks and tests read.
   _accumulative_counts = property(lambda self: self._counter.accumulative_counts)
-  _inner_count = property(lambda self: self._counter.inner_count)
+
+  @property
+  def _inner_count(self) -> int:
+    return self._counter.inner_count
+
+  @_inner_count.setter
+  def _inner_count(self, value: int) -> None:
+    self._counter.inner_count = value
   _max_counts = property(lambda self: self._counter.max_counts)
   _remainder_counts = property(lambda self: self._counter.remainder_counts)
 
@@ -520,15 +556,13 @@ class OptimWrapper:
                     factor: float) -> Any:
     dynamic, spec = split_call(loss_fn, args, kwargs, has_aux)
     buffer = self.grads
-    name = "grad" if buffer is None else "grad_acc"
-    scale = self._loss_scale_of(self._state)
-    out, grads = self._jitted(name)(self._params, buffer, dynamic, self._factor(factor),
-                                    scale, spec)
+    scaling = loss_scale_of(self._state)
+    scale = None if scaling is None else scaling.scale
+    out, grads = self._grad_step(self._params, buffer, dynamic, self._factor(factor), scale, spec)
     self._grads = grads
     self._counter.inner_count += 1
     return out
 
-  @fusable
   def backward(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
                **kwargs: Any) -> Any:
     """Adds the gradients of ``loss_fn(params, *args, **kwargs)`` to :attr:`grads`.
@@ -563,13 +597,13 @@ class OptimWrapper:
     if grads is None:
       return
     if skip is None:
-      result = self._jitted("apply")(self._params, self._state, grads)
+      result = self._apply_step(self._params, self._state, grads)
     else:
       skip = jnp.asarray(skip)
       if skip.shape != () or skip.dtype != jnp.bool_:
         raise ValueError(f"skip must be a boolean scalar, got dtype {skip.dtype} and shape "
                          f"{skip.shape}")
-      result = self._jitted("apply_skip")(self._params, self._state, grads, skip)
+      result = self._apply_step(self._params, self._state, grads, skip)
     self._commit_step(*result)
 
   def apply_scaled_gradients(self, scale: Any) -> Optional[jax.Array]:
@@ -592,8 +626,8 @@ class OptimWrapper:
     if grads is None:
       return None
     scale = jnp.asarray(scale, jnp.float32)
-    params, state, norm, found_inf = self._jitted("apply_scaled")(self._params, self._state,
-                                                                 grads, scale)
+    params, state, norm, found_inf = self._apply_scaled_step(self._params, self._state, grads,
+                                                            scale)
     self._commit_step(params, state, norm)
     self._grads_scale = scale
     return found_inf
@@ -603,7 +637,6 @@ class OptimWrapper:
       clipping.check_total_norm(norm, self._clip.norm_type)
     self._params, self._state, self._last_grad_norm = params, state, norm
 
-  @fusable
   def step(self, closure: Optional[Callable] = None) -> None:
     """Applies :attr:`grads` (clipping first, per ``clip_grad``); see :meth:`apply_gradients`."""
     if closure is not None:
@@ -617,9 +650,7 @@ class OptimWrapper:
     self._grads_scale = None
 
   def _can_fuse(self) -> bool:
-    cls = type(self)
-    return (getattr(cls.step, "jaxamp_fusable", False)
-            and getattr(cls.backward, "jaxamp_fusable", False)
+    return (not overrides_iteration(self)
             and not (self._clip is not None and self._clip.error_if_nonfinite))
 
   def update_params(self, loss_fn: Callable[..., Any], *args: Any,
@@ -627,9 +658,11 @@ class OptimWrapper:
                     has_aux: bool = False, **kwargs: Any) -> Any:
     """One training iteration: :meth:`scale_loss`, :meth:`backward`, and step when due.
 
-    When :meth:`should_update` is true after the backward pass, the
-    parameters are stepped (:meth:`step`) and the gradients cleared
-    (:meth:`zero_grad`); the three run as one jitted call.
+    As mmengine: ``self.backward(self.scale_loss(loss_fn), ...)``, then,
+    when :meth:`should_update` is true, ``self.step()`` and
+    ``self.zero_grad()``, so a subclass (or an instance) overriding any of
+    them sees its override called. When none is overridden, the three run as
+    one jitted call.
 
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs)`` returns a scalar loss
@@ -649,16 +682,14 @@ class OptimWrapper:
     factor = float(self._counter.loss_factor())
     if self.should_sync() and self._can_fuse() and not step_kwargs:
       dynamic, spec = split_call(loss_fn, args, kwargs, has_aux)
-      buffer = self.grads
-      name = "fused" if buffer is None else "fused_acc"
-      out, params, state, norm = self._jitted(name)(
-          self._params, self._state, buffer, dynamic, self._factor(factor), spec)
+      out, params, state, norm = self._fused_step(
+          self._params, self._state, self.grads, dynamic, self._factor(factor), spec)
       self._counter.inner_count += 1
       self._commit_step(params, state, norm)
       self._grads = None
       self.zero_grad(**zero_kwargs)
       return out
-    out = self._run_backward(loss_fn, args, kwargs, has_aux, factor)
+    out = self.backward(self.scale_loss(loss_fn), *args, has_aux=has_aux, **kwargs)
     if self.should_update():
       self.step(**step_kwargs)
       self.zero_grad(**zero_kwargs)
@@ -715,10 +746,37 @@ class OptimWrapper:
     self._state = self._with_opt(self._state, opt_state)
     self._group_specs()[index].mirror[key] = value
 
-  @property
-  def param_groups(self) -> List[hp.ParamGroup]:
-    """The parameter groups: live views of the hyperparameters (see :class:`ParamGroup`)."""
+  def _optimizer_groups(self) -> List[hp.ParamGroup]:
     return [hp.ParamGroup(self, i) for i in range(len(self._group_specs()))]
+
+  @property
+  def base_param_settings(self) -> Optional[dict]:
+    """mmengine's base group: ``None`` with one parameter group, else the defaults.
+
+    With several parameter groups mmengine appends ``{'params': ..., **defaults}``
+    to :attr:`param_groups`, so that schedulers scale it like the others and
+    ``get_lr()`` reports it as ``'base_lr'``. Its ``'params'`` is ``[]``.
+    """
+    if self._base_param_settings is _UNSET:
+      if len(self._group_specs()) > 1:
+        self._base_param_settings = {"params": [], **self.defaults}
+      else:
+        self._base_param_settings = None
+    return self._base_param_settings
+
+  @base_param_settings.setter
+  def base_param_settings(self, value: Optional[dict]) -> None:
+    self._base_param_settings = value
+
+  @property
+  def param_groups(self) -> List[Any]:
+    """``optimizer.param_groups``, plus :attr:`base_param_settings` when there are several.
+
+    The groups are live views of the hyperparameters (see :class:`ParamGroup`).
+    """
+    groups: List[Any] = self._optimizer_groups()
+    base = self.base_param_settings
+    return groups if base is None else groups + [base]
 
   @property
   def defaults(self) -> dict:
@@ -729,7 +787,7 @@ class OptimWrapper:
     hyperparameters when first asked for, or ``{}`` when nothing is injected.
     """
     if self._defaults is None:
-      group = self.param_groups[0]
+      group = self._optimizer_groups()[0]
       self._defaults = {k: group[k] for k in group if k != "params"}
     return dict(self._defaults)
 
@@ -741,10 +799,13 @@ class OptimWrapper:
           "optax.inject_hyperparams state. Build it as, e.g., "
           "optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), or with "
           "jaxamp.build_optim_wrapper, to make the hyperparameters readable and settable.")
-    return self.param_groups
+    return self._optimizer_groups()
 
   def get_lr(self) -> Dict[str, List[float]]:
     """``{'lr': [learning rate of each parameter group]}`` (Python floats).
+
+    As mmengine, with several parameter groups ``'base_lr'`` holds the
+    learning rate of :attr:`base_param_settings` too.
 
     Raises:
       ValueError: when the optimizer has no injected hyperparameters.
@@ -754,6 +815,9 @@ class OptimWrapper:
       if "lr" not in group:
         raise ValueError(f"A parameter group has no injected learning rate: {dict(group)!r}")
       lrs.append(group["lr"])
+    base = self.base_param_settings
+    if base is not None:
+      return dict(base_lr=[base["lr"]], lr=lrs)
     return dict(lr=lrs)
 
   def get_momentum(self) -> Dict[str, List[float]]:
@@ -774,24 +838,50 @@ class OptimWrapper:
 
   # -- state dict -------------------------------------------------------------------------------
 
-  def state_dict(self) -> dict:
-    """``{'state': <optax state of optimizer>, 'param_groups': [...]}``.
-
-    ``state`` holds device arrays (no copy, shardings kept; with
-    ``donate=True`` on-device copies, so that the next step, which donates
-    the wrapper's buffers, leaves them valid); ``param_groups`` the groups'
-    names and hyperparameters as Python values.
-    """
+  def _optimizer_state_dict(self) -> dict:
     groups = []
-    for group in self.param_groups:
+    for group in self._optimizer_groups():
       groups.append({k: group[k] for k in group})
     state = self.opt_state
     if self._donate:
       state = jax.tree.map(jnp.copy, state)
     return {"state": state, "param_groups": groups}
 
+  def state_dict(self) -> dict:
+    """``{'state': <optax state of optimizer>, 'param_groups': [...]}``.
+
+    ``state`` holds device arrays (no copy, shardings kept; with
+    ``donate=True`` on-device copies, so that the next step, which donates
+    the wrapper's buffers, leaves them valid); ``param_groups`` the groups'
+    names and hyperparameters as Python values. As mmengine, with several
+    parameter groups ``'base_param_settings'`` is added.
+    """
+    out = self._optimizer_state_dict()
+    base = self.base_param_settings
+    if base is not None:
+      out["base_param_settings"] = dict(base)
+    return out
+
   def _prepare_load(self, state_dict: Any) -> Callable[[], None]:
     """Validates ``state_dict`` fully; returns the function that installs it."""
+    if not isinstance(state_dict, Mapping):
+      raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    state_dict = dict(state_dict)
+    base = state_dict.pop("base_param_settings", None)
+    if base is not None and not isinstance(base, Mapping):
+      raise TypeError(f"state_dict['base_param_settings'] must be a dict, got "
+                      f"{type(base).__name__}")
+    commit_optimizer = self._prepare_optimizer_load(state_dict)
+
+    def commit():
+      commit_optimizer()
+      if base is not None:
+        self.base_param_settings = dict(base)
+
+    return commit
+
+  def _prepare_optimizer_load(self, state_dict: Any) -> Callable[[], None]:
+    """Validates an ``optimizer.state_dict()``; returns the function that installs it."""
     if not isinstance(state_dict, Mapping):
       raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     expected = {"state", "param_groups"}
@@ -827,6 +917,52 @@ class OptimWrapper:
             f"{self._counter.accumulative_counts}\n"
             f"optimizer: \n{self._optimizer!r}\n")
 
+
+
+_UNSET = object()
+
+
+class WrappedOptimizer:
+  """``optim_wrapper.optimizer``: the optax transformation with ``torch.optim.Optimizer``'s books.
+
+  mmengine's hooks, parameter schedulers and loops read and write
+  ``optim_wrapper.optimizer.param_groups``; here they are live views of the
+  hyperparameters in the wrapper's optax state (see
+  :class:`~jaxamp._src.facade.mmengine.hyperparams.ParamGroup`): writing
+  ``param_groups[i]['lr']`` takes effect at the next step, without a
+  recompilation. ``state_dict()``/``load_state_dict()`` are the
+  optimizer's (without mmengine's ``base_param_settings``);
+  :attr:`transformation` is the optax transformation itself.
+  """
+
+  def __init__(self, wrapper: OptimWrapper):
+    self._wrapper = wrapper
+
+  @property
+  def transformation(self) -> optax.GradientTransformation:
+    """The optax transformation the wrapper was built with."""
+    return self._wrapper._optimizer  # noqa: SLF001
+
+  @property
+  def param_groups(self) -> List[hp.ParamGroup]:
+    """One live view per parameter group (one per ``inject_hyperparams`` state)."""
+    return self._wrapper._optimizer_groups()  # noqa: SLF001
+
+  @property
+  def defaults(self) -> dict:
+    """The default hyperparameters (PyTorch names), as ``Optimizer.defaults``."""
+    return self._wrapper.defaults
+
+  def state_dict(self) -> dict:
+    """``{'state': <optax state>, 'param_groups': [...]}``."""
+    return self._wrapper._optimizer_state_dict()  # noqa: SLF001
+
+  def load_state_dict(self, state_dict: dict) -> None:
+    """Loads a :meth:`state_dict`; validates everything before changing anything."""
+    self._wrapper._prepare_optimizer_load(state_dict)()  # noqa: SLF001
+
+  def __repr__(self) -> str:
+    return repr(self.transformation)
 
 
 def install_group_specs(wrapper: OptimWrapper, specs: List[hp.GroupSpec], defaults: dict) -> None:

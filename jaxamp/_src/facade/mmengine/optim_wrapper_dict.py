@@ -69,7 +69,7 @@ class OptimWrapperDict(OptimWrapper):
     PyTorch's ``loss.backward()`` fills the gradients of every model the loss
     depends on; here ``loss_fn({name: params, ...}, *args, **kwargs)`` takes
     the parameters of every wrapper by name, and its gradient with respect to
-    each wrapper's parameters is added to that wrapper's :attr:`grads`. So
+    each wrapper's parameters is added to that wrapper's ``grads``. So
     PyTorch's "multiple models, losses and optimizers" recipe takes one
     forward and backward pass per loss::
 
@@ -206,6 +206,29 @@ class OptimWrapperDict(OptimWrapper):
     for name, wrapper in self.optim_wrappers.items():
       desc += f"name: {name}\n" + repr(wrapper)
     return desc
+
+
+def _not_held(name: str) -> property:
+  """A member mmengine's ``OptimWrapperDict`` inherits but cannot serve: its ``AttributeError``."""
+
+  def get(self: OptimWrapperDict) -> Any:
+    names = list(self.optim_wrappers)
+    example = f"wrappers[{names[0]!r}].{name}" if names else f"wrapper.{name}"
+    raise AttributeError(
+        f"'OptimWrapperDict' object has no attribute '{name}': each wrapper holds its own "
+        f"(read {example}), as in mmengine, whose OptimWrapperDict has no optimizer or counters")
+
+  get.__doc__ = f"Not held: ``{name}`` belongs to each wrapper (an ``AttributeError``)."
+  return property(get)
+
+
+# The members of OptimWrapper that belong to one wrapper: mmengine's OptimWrapperDict inherits them
+# and fails with AttributeError on the state it does not hold.
+for _name in ("params", "opt_state", "grads", "donate", "last_grad_norm", "inner_count",
+              "defaults", "should_update", "should_sync", "scale_loss", "apply_scaled_gradients",
+              "optimizer", "clip_grad_kwargs", "base_param_settings"):
+  setattr(OptimWrapperDict, _name, _not_held(_name))
+del _name
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._src import validation
 from jaxamp._src import outside
 
 
@@ -31,24 +32,26 @@ def _key_name(key: Any) -> str:
   return str(key)
 
 
+def _without_value(path: Sequence[Any]) -> tuple:
+  """``path`` without the final ``.value`` of a flax Variable."""
+  if (len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey)
+      and path[-1].name in ("value", "raw_value")):
+    return tuple(path[:-1])
+  return tuple(path)
+
+
 def path_parts(path: Sequence[Any]) -> List[str]:
   """The names along a pytree path, without the ``.value`` of flax Variables."""
-  parts = [_key_name(k) for k in path]
-  if len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and parts[-1] in (
-      "value", "raw_value"):
-    parts = parts[:-1]
-  return parts
+  return [_key_name(k) for k in _without_value(path)]
 
 
 def param_names(params: Any) -> List[str]:
   """Dotted names of the leaves of ``params`` (``'backbone.conv.kernel'``), in leaf order."""
-  return [".".join(path_parts(p)) or "<root>"
+  return [jax.tree_util.keystr(_without_value(p), simple=True, separator=".") or "<root>"
           for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
-def is_array(x: Any) -> bool:
-  """Whether ``x`` is a JAX or numpy array (or numpy scalar)."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+is_array = validation.is_array
 
 
 def where(path: Sequence[Any]) -> str:
