@@ -23,7 +23,8 @@ def test_multidevice_suite():
   env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
   env["JAXAMP_MULTIDEVICE"] = "1"
   env["JAX_PLATFORMS"] = "cpu"
-  cmd = [sys.executable, "-m", "pytest", "tests/multidevice", "-q", "-p", "no:cacheprovider"]
+  cmd = [sys.executable, "-m", "pytest", "tests/multidevice", "-q", "-p", "no:cacheprovider",
+         "-n", "0"]
   try:
     proc = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True,
                           timeout=_TIMEOUT_S, check=False)
