@@ -22,7 +22,7 @@ from jaxamp._src import validation
 from jaxamp._src.facade import scaler_core as core
 from jaxamp._src.facade import stall
 from jaxamp._src.facade.errors import AssertionValueError
-from jaxamp._src.facade.scaled_loss import ScaledLoss
+from jaxamp._src.facade.scaled_loss import ScaledLoss, ScalesInUse
 
 
 _STATE_KEYS = ("scale", "incr_ratio", "decr_ratio", "incr_every_n_steps",
@@ -184,7 +184,7 @@ class GradScaler:
     # Flags of the steps since the last update, and the flag the last update used.
     self._pending: list[jax.Array] = []
     self._last_found_inf = jnp.zeros([], jnp.bool_)
-    self._scales_in_use: list[jax.Array] = []
+    self._scales_in_use = ScalesInUse()
 
   def _make_rule(self, **changes: Any) -> loss_scale.ScaleRule:
     values: dict[str, Any] = dict(
@@ -206,18 +206,14 @@ class GradScaler:
 
   def _scale_array(self) -> jax.Array:
     """The scale a loss scaled now is multiplied by (a scaled loss call's, inside one)."""
-    if self._scales_in_use:
-      return self._scales_in_use[-1]
+    in_use = self._scales_in_use.current()
+    if in_use is not None:
+      return in_use
     return self._state.scale
 
-  @contextlib.contextmanager
-  def using_scale(self, scale: jax.Array):
+  def using_scale(self, scale: jax.Array) -> contextlib.AbstractContextManager:
     """Inside, :meth:`scale` uses ``scale`` (the one a scaled loss being called multiplies by)."""
-    self._scales_in_use.append(scale)
-    try:
-      yield
-    finally:
-      self._scales_in_use.pop()
+    return self._scales_in_use.using(scale)
 
   # -- scaling ----------------------------------------------------------------------------------
 
@@ -248,7 +244,7 @@ class GradScaler:
     if core.is_array(var):
       return state_lib.multiply_by_scale(var, self._scale_array())
     # Inside a scaled loss being traced, multiply by its (traced) scale, not the state's.
-    in_use = self._scales_in_use[-1] if self._scales_in_use else None
+    in_use = self._scales_in_use.current()
     return ScaledLoss(var, self, bool(has_aux), in_use)
 
   # -- unscale / step / update ------------------------------------------------------------------

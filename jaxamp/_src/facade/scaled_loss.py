@@ -12,7 +12,8 @@ scale changes. Losses in float16/bfloat16 are promoted to float32 first
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,31 @@ def divide(loss: Any, factor: jax.Array) -> jax.Array:
   loss = jnp.asarray(loss)
   loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
   return loss / factor.astype(loss.dtype)
+
+
+class ScalesInUse:
+  """The scales of the :class:`ScaledLoss` calls under way, innermost last.
+
+  A scaler keeps one: inside a scaled loss (traced while a backward pass is
+  compiled), asking the scaler for its scale must give that call's scale,
+  not the stored one, which the compiled code would freeze.
+  """
+
+  def __init__(self) -> None:
+    self._stack: list[jax.Array] = []
+
+  def current(self) -> Optional[jax.Array]:
+    """The innermost call's scale, or ``None`` outside every call."""
+    return self._stack[-1] if self._stack else None
+
+  @contextlib.contextmanager
+  def using(self, scale: jax.Array) -> Iterator[None]:
+    """Inside, :meth:`current` is ``scale``."""
+    self._stack.append(scale)
+    try:
+      yield
+    finally:
+      self._stack.pop()
 
 
 class ScaledLoss:

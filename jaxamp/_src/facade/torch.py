@@ -27,7 +27,7 @@ from jaxamp._src.facade import scaler_core as core
 from jaxamp._src.facade import stall
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.errors import NewScaleError
-from jaxamp._src.facade.scaled_loss import ScaledLoss
+from jaxamp._src.facade.scaled_loss import ScaledLoss, ScalesInUse
 
 _NEW_SCALE_REASON = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                      "torch.FloatTensor with requires_grad=False.")
@@ -181,7 +181,7 @@ class GradScaler:
     self._init_growth_tracker = 0
     self._state: Optional[core.ScalerState] = None
     self._stages = core.StageBook()
-    self._scales_in_use: list[jax.Array] = []
+    self._scales_in_use = ScalesInUse()
     self._stall_after = validation.check_count("stall_after", stall_after)
     self._monitor = stall.StallMonitor(on_stall, stall_check_every)
     if self._enabled:
@@ -227,23 +227,20 @@ class GradScaler:
     traced argument while the backward pass is compiled); elsewhere the
     state's (created if needed).
     """
-    if self._scales_in_use:
-      return self._scales_in_use[-1]
+    in_use = self._scales_in_use.current()
+    if in_use is not None:
+      return in_use
     return self._lazy_init_scale_growth_tracker().scale
 
-  @contextlib.contextmanager
-  def using_scale(self, scale: jax.Array):
+  def using_scale(self, scale: jax.Array) -> contextlib.AbstractContextManager:
     """Inside, :meth:`scale` and :meth:`get_scale` use ``scale`` (a :class:`ScaledLoss` call's)."""
-    self._scales_in_use.append(scale)
-    try:
-      yield
-    finally:
-      self._scales_in_use.pop()
+    return self._scales_in_use.using(scale)
 
   def _current_scale(self, what: str) -> jax.Array:
     """The scale in use, or the state's (refused while tracing: it would be frozen)."""
-    if self._scales_in_use:
-      return self._scales_in_use[-1]
+    in_use = self._scales_in_use.current()
+    if in_use is not None:
+      return in_use
     if _tracing():
       raise RuntimeError(_FROZEN_FIX.format(what=what))
     return self._scale_array()
@@ -292,7 +289,7 @@ class GradScaler:
       self._lazy_init_scale_growth_tracker()
       # Inside a scaled loss being traced, the new function multiplies by that loss's (traced)
       # scale, not by the state's, which the compiled code would freeze.
-      in_use = self._scales_in_use[-1] if self._scales_in_use else None
+      in_use = self._scales_in_use.current()
       return ScaledLoss(outputs, self, bool(has_aux), in_use)
     scale = self._current_scale("scale")
     if core.is_array(outputs):
@@ -449,8 +446,9 @@ class GradScaler:
     """
     if not self._enabled:
       return 1.0
-    if self._scales_in_use:
-      return self._scales_in_use[-1]
+    in_use = self._scales_in_use.current()
+    if in_use is not None:
+      return in_use
     if _tracing():
       raise RuntimeError(_FROZEN_FIX.format(what="get_scale()"))
     if self._state is None:
