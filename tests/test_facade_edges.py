@@ -1,0 +1,1 @@
+"""Edge cases of facade behaviour."""

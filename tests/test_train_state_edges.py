@@ -1,0 +1,122 @@
+"""Edge cases of clipping, the train state and the state readers, against plain models.
+
+The total norm is compared with a NumPy model of ``torch.nn.utils.get_total_norm`` (the
+norm of the per-leaf norms) for every order PyTorch accepts, ``-inf`` and 0 included; the
+train state's ``value_and_grad`` with ``axis_name`` with the mean of the per-device
+gradients of the scaled loss.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from jaxamp._src import clipping
+
+
+def _torch_total_norm(leaves, order):
+  """The norm of the per-leaf norms, in float64 (PyTorch's get_total_norm)."""
+  def vnorm(x):
+    x = np.abs(np.asarray(x, np.float64).ravel())
+    if order == math.inf:
+      return x.max()
+    if order == -math.inf:
+      return x.min()
+    if order == 0:
+      return float(np.count_nonzero(x))
+    return np.sum(x ** order) ** (1.0 / order)
+  norms = [vnorm(x) for x in leaves]
+  return norms[0] if len(norms) == 1 else vnorm(np.array(norms))
+
+
+GRADS = {"a": jnp.array([[3.0, -0.5], [0.0, 2.0]], jnp.float32),
+         "b": jnp.array([-4.0, 0.25, 1.5], jnp.float32),
+         "n": jnp.array([7, 8], jnp.int32)}  # integer leaves take no part
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, 0.5, 0.0, math.inf, -math.inf, "inf",
+                                       "-inf", " Infinity", "-infinity", "+inf"])
+def test_total_norm_of_every_order_is_the_norm_of_the_leaf_norms(norm_type):
+  order = {"inf": math.inf, "-inf": -math.inf, " Infinity": math.inf, "-infinity": -math.inf,
+           "+inf": math.inf}.get(norm_type, norm_type)
+  expected = _torch_total_norm([GRADS["a"], GRADS["b"]], order)
+  got = jax.jit(lambda g: jaxamp.total_grad_norm(g, norm_type))(GRADS)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(float(got), expected, rtol=2e-6)
+  # One leaf: its own norm.
+  one = jaxamp.total_grad_norm({"b": GRADS["b"]}, norm_type)
+  np.testing.assert_allclose(float(one), _torch_total_norm([GRADS["b"]], order), rtol=2e-6)
+
+
+def test_minus_inf_norm_is_the_smallest_magnitude_and_clips_by_it():
+  # The smallest |g| over all leaves is 0.25: a bound of 0.125 halves every gradient.
+  grads = {"a": GRADS["a"] + 1.0, "b": GRADS["b"]}
+  tx = jaxamp.clip_grad_norm(0.125, "-inf")
+  clipped, state = jax.jit(tx.update)(grads, tx.init(grads))
+  assert float(state.total_norm) == 0.25
+  coef = np.float32(0.125) / (np.float32(0.25) + np.float32(1e-6))
+  np.testing.assert_allclose(clipped["b"], np.asarray(grads["b"]) * coef, rtol=1e-6)
+
+
+def test_total_norm_of_a_tree_without_floats_is_zero():
+  assert float(jaxamp.total_grad_norm({"n": jnp.arange(3)})) == 0.0
+  assert float(jaxamp.total_grad_norm({"e": jnp.zeros([0])})) == 0.0
+
+
+def test_clip_grad_norm_keeps_integer_leaves_and_half_precision_dtypes():
+  grads = {"h": jnp.array([6.0, 8.0], jnp.bfloat16), "n": jnp.array([5, 6], jnp.int32)}
+  tx = jaxamp.clip_grad_norm(5.0)
+  clipped, state = tx.update(grads, tx.init(grads))
+  assert float(state.total_norm) == 10.0
+  assert clipped["h"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(clipped["h"], np.float32), [3.0, 4.0], rtol=1e-2)
+  np.testing.assert_array_equal(clipped["n"], grads["n"])
+
+
+@pytest.mark.parametrize("bad", ["l2", "nan", math.nan])
+def test_unknown_norm_orders_are_refused(bad):
+  with pytest.raises(ValueError, match="norm_type"):
+    jaxamp.clip_grad_norm(1.0, bad)
+
+
+def test_check_total_norm_raises_only_for_a_non_finite_norm():
+  clipping.check_total_norm(jnp.float32(3.0))
+  for bad in (math.inf, math.nan):
+    with pytest.raises(RuntimeError, match="non-finite"):
+      clipping.check_total_norm(jnp.float32(bad), "inf")
+
+
+def _loss(params, x):
+  return jnp.sum(params["w"] * x) ** 2
+
+
+def test_value_and_grad_with_axis_name_averages_the_scaled_gradients_over_devices():
+  params = {"w": jnp.array([1.0, -2.0])}
+  state = jaxamp.TrainState.create(
+      apply_fn=None, params=params,
+      tx=jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0))
+  xs = jnp.array([[1.0, 0.5], [2.0, -1.0]])  # one batch per (vmapped) device
+  loss, grads = jax.vmap(state.value_and_grad(_loss, axis_name="d"), in_axes=(None, 0),
+                         axis_name="d")(params, xs)
+  per_device = [jax.grad(_loss)(params, x)["w"] * 8.0 for x in xs]
+  for i in range(2):
+    np.testing.assert_allclose(loss[i], _loss(params, xs[i]), rtol=1e-6)  # unscaled
+    np.testing.assert_allclose(grads["w"][i], (per_device[0] + per_device[1]) / 2, rtol=1e-6)
+  # Without axis_name each device keeps its own gradients.
+  _, own = jax.vmap(state.value_and_grad(_loss), in_axes=(None, 0))(params, xs)
+  np.testing.assert_allclose(own["w"][1], per_device[1], rtol=1e-6)
+
+
+def test_value_and_grad_with_aux_returns_the_unscaled_loss_and_the_aux():
+  params = {"w": jnp.array([1.0, 2.0])}
+  state = jaxamp.TrainState.create(
+      apply_fn=None, params=params,
+      tx=jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0))
+  (loss, aux), grads = state.value_and_grad(
+      lambda p: (jnp.sum(p["w"] ** 2), {"n": 3}), has_aux=True)(params)
+  assert float(loss) == 5.0 and aux == {"n": 3}
+  np.testing.assert_array_equal(grads["w"], [8.0, 16.0])
