@@ -1,1 +1,128 @@
-"""Edge cases of accumulation behaviour."""
+"""Edge cases of gradient accumulation and micro-batching, against a pure-Python model.
+
+The model of ``accumulate_gradients`` (mmengine's window counting): windows close after
+micro-steps k, 2k, ... and at ``total_steps``; the last, shorter window divides by its own
+length; a window whose mean is not finite is dropped and counted; a call past
+``total_steps`` changes nothing but the micro-step count.
+"""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+
+
+def _model(grads, k, total_steps=None):
+  """Per call: (the sgd(1.0) update, whether a window closed, windows dropped so far)."""
+  out, window, dropped = [], [], 0
+  for i, g in enumerate(grads):
+    if total_steps is not None and i >= total_steps:
+      out.append((0.0, False, dropped))
+      continue
+    window.append(g)
+    closes = len(window) == k or (total_steps is not None and i + 1 == total_steps)
+    if not closes:
+      out.append((0.0, False, dropped))
+      continue
+    mean = sum(window) / len(window)
+    window = []
+    if not math.isfinite(mean):
+      dropped += 1
+      out.append((0.0, True, dropped))
+    else:
+      out.append((-mean, True, dropped))
+  return out
+
+
+@pytest.mark.parametrize("k,total_steps", [(3, 7), (3, 6), (2, None), (4, 3)])
+def test_windows_the_short_last_window_and_calls_past_the_end_follow_the_model(k, total_steps):
+  grads = [1.0, 2.0, 4.0, 8.0, math.nan, 16.0, 32.0, 64.0, 128.0]
+  tx = jaxamp.accumulate_gradients(optax.sgd(1.0), k, total_steps=total_steps,
+                                   raise_past_end=False)
+  params = {"w": jnp.zeros([], jnp.float32)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for i, (g, (want, closed, dropped)) in enumerate(zip(grads, _model(grads, k, total_steps))):
+    before = state
+    updates, state = step({"w": jnp.float32(g)}, state, params)
+    np.testing.assert_allclose(float(updates["w"]), want, rtol=1e-6, err_msg=f"call {i}")
+    assert bool(state.updated) == closed, i
+    assert int(jaxamp.skipped_steps(state)) == dropped, i
+    assert int(state.micro_step) == i + 1
+    if total_steps is not None and i >= total_steps:
+      # Past the end nothing moves: not the window, its count, nor the accumulator.
+      assert int(state.mini_step) == int(before.mini_step)
+      assert int(state.gradient_step) == int(before.gradient_step)
+      np.testing.assert_array_equal(state.acc_grads["w"], before.acc_grads["w"])
+
+
+def test_an_overflowing_window_sum_is_dropped_and_counted_in_step_metrics():
+  # Each micro-batch is finite, so the loss scaler outside applies them; their sum overflows
+  # float32, so the accumulator drops the window, and step_metrics counts it as a skip.
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # the per-micro-step nesting is warned about
+    tx = jaxamp.dynamic_loss_scale(jaxamp.accumulate_gradients(optax.sgd(1.0), 2),
+                                   init_scale=1.0, growth_interval=100)
+    params = {"w": jnp.zeros([2], jnp.float32)}
+    state = tx.init(params)
+  step = jax.jit(tx.update)
+  for g in (3e38, 3e38, 1.0, 3.0):
+    updates, state = step({"w": jnp.full([2], g, jnp.float32)}, state, params)
+  metrics = jaxamp.step_metrics(state)
+  assert int(metrics["skipped_steps"]) == 1
+  assert not bool(metrics["skipped"])  # the loss scaler itself skipped nothing
+  np.testing.assert_array_equal(updates["w"], [-2.0, -2.0])
+
+
+def test_half_precision_gradients_accumulate_in_float32():
+  # bfloat16 holds 256 + 1 as 256: a bfloat16 accumulator would lose the small gradients.
+  tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 4, average=False)
+  params = {"w": jnp.zeros([], jnp.bfloat16)}
+  state = tx.init(params)
+  assert state.acc_grads["w"].dtype == jnp.float32
+  for g in (256.0, 1.0, 1.0, 1.0):
+    updates, state = tx.update({"w": jnp.asarray(g, jnp.bfloat16)}, state, params)
+  assert updates["w"].dtype == jnp.bfloat16
+  assert float(updates["w"]) == float(jnp.asarray(-259.0, jnp.bfloat16))
+  # A float64-free explicit accumulator dtype is honoured.
+  tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 2, accumulator_dtype=jnp.bfloat16)
+  assert tx.init(params).acc_grads["w"].dtype == jnp.bfloat16
+
+
+def _loss(params, batch):
+  return jnp.sum(params["w"] * batch["x"]).astype(jnp.float32)
+
+
+def test_microbatch_gradients_of_half_precision_params_accumulate_in_float32():
+  params = {"w": jnp.ones([], jnp.bfloat16)}
+  batch = {"x": jnp.asarray([256.0, 1.0, 1.0, 1.0], jnp.bfloat16)}
+  loss, grads = jax.jit(jaxamp.microbatch_value_and_grad(_loss, 4))(params, batch)
+  assert grads["w"].dtype == jnp.bfloat16 and loss.dtype == jnp.float32
+  # The mean of the four micro-batch gradients, formed in float32, rounded once.
+  assert float(grads["w"]) == float(jnp.asarray(259.0 / 4, jnp.bfloat16))
+  assert float(loss) == 259.0 / 4
+  # A bfloat16 accumulator is what the user asks for with accumulator_dtype.
+  _, low = jaxamp.microbatch_value_and_grad(_loss, 4, accumulator_dtype=jnp.bfloat16)(
+      params, batch)
+  assert float(low["w"]) == 64.0
+
+
+def test_microbatch_value_and_grad_matches_the_whole_batch():
+  params = {"w": jnp.array([0.5, -1.0], jnp.float32)}
+  x = jnp.arange(12.0, dtype=jnp.float32).reshape(6, 2)
+  loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+  want_loss, want = jax.value_and_grad(loss_fn)(params, {"x": x})
+  for n in (1, 2, 3):
+    loss, grads = jaxamp.microbatch_value_and_grad(loss_fn, n)(params, {"x": x})
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    np.testing.assert_allclose(grads["w"], want["w"], rtol=1e-6)
+  (loss, aux), grads = jaxamp.microbatch_value_and_grad(
+      lambda p, b: (loss_fn(p, b), jnp.sum(b["x"])), 3, has_aux=True)(params, {"x": x})
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  assert aux.shape[0] == 3  # one aux per micro-batch
