@@ -1,1 +1,46 @@
-"""Edge cases of autocast behaviour."""
+"""Edge cases of autocast's dtype rules, against PyTorch's promotion.
+
+Where an operation's operands end up in float16 and bfloat16 (a float16 autocast region
+that meets a bfloat16 tensor), PyTorch promotes to float32
+(``torch.promote_types(float16, bfloat16) == float32``); so does autocast, also in a
+program that asks for strict dtype promotion (the suite's).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxamp
+
+X = np.array([[1.5, 2.0], [0.25, -1.0]], np.float32)
+Y = np.array([[3.0, 0.375], [0.125, 7.0]], np.float32)
+
+
+def test_a_float16_matmul_meeting_a_bfloat16_tensor_gives_float32():
+  f = jaxamp.autocast(lambda x, y: x @ x + y, jnp.float16)
+  out = jax.jit(f)(jnp.asarray(X, jnp.bfloat16), jnp.asarray(Y, jnp.bfloat16))
+  assert out.dtype == jnp.float32
+  want = (X.astype(np.float16) @ X.astype(np.float16)).astype(np.float32) + Y
+  np.testing.assert_array_equal(out, want)
+
+
+def test_a_bfloat16_matmul_meeting_a_float16_tensor_gives_float32():
+  f = jaxamp.autocast(lambda x, y: y + x @ x, jnp.bfloat16)
+  out = f(jnp.asarray(X, jnp.float16), jnp.asarray(Y, jnp.float16))
+  assert out.dtype == jnp.float32
+  np.testing.assert_array_equal(out, Y + X @ X)
+
+
+def test_a_python_scalar_does_not_widen_a_half_precision_result():
+  f = jaxamp.autocast(lambda x: x @ x * 0.5 + 1.0, jnp.bfloat16)
+  out = f(jnp.asarray(X))
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out, np.float32), (X @ X) * 0.5 + 1.0)
+
+
+def test_float32_rules_widen_half_precision_inputs():
+  # exp runs in float32 under torch.autocast: the float16 input is widened first.
+  f = jaxamp.autocast(lambda x: jnp.exp(x @ x), jnp.float16)
+  out = f(jnp.asarray(X))
+  assert out.dtype == jnp.float32
+  np.testing.assert_allclose(out, np.exp(X @ X), rtol=1e-6)
