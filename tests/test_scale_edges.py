@@ -1,1 +1,114 @@
-"""Edge cases of scale behaviour."""
+"""Edge cases of dynamic loss scaling, against PyTorch's rule written in plain Python.
+
+PyTorch unscales by ``float32(1 / scale)`` (computed in float64, then rounded), which for
+scales of 2^126 and more is a denormal; it grows the scale only while the product stays
+finite, and backs off after ``hysteresis`` consecutive overflows (Paddle's
+``decr_every_n_nan_or_inf``).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _torch_unscale(scaled, scale):
+  inv = np.float32(1.0 / np.float64(np.float32(scale)))
+  return np.asarray(scaled, np.float32) * inv  # NumPy keeps denormals
+
+
+@pytest.mark.parametrize("scale", [1.5 * 2.0**126, 1.25 * 2.0**126, 2.0**126 * 1.75,
+                                   1.5 * 2.0**127, 3.0 * 2**100])
+def test_huge_and_tiny_scales_unscale_like_pytorch(scale):
+  scaled = np.array([2.0**127, -(2.0**120) * 3, 2.0**100 + 2.0**80, 2.0**30], np.float32)
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=scale, growth_interval=10)
+  params = {"w": jnp.zeros(4, jnp.float32)}
+  updates, state = jax.jit(tx.update)({"w": jnp.asarray(scaled)}, tx.init(params), params)
+  assert not bool(state.skipped)
+  # Within PyTorch's own rounding: above 2^126 its reciprocal is a denormal, with fewer bits.
+  np.testing.assert_allclose(-np.asarray(updates["w"]), _torch_unscale(scaled, scale),
+                             rtol=2.0**-20)
+
+
+def _torch_growth(scale, growth_factor, max_scale):
+  with np.errstate(over="ignore"):
+    grown = np.float32(np.float64(scale) * growth_factor)
+  return float(min(grown, np.float32(max_scale))) if np.isfinite(grown) else scale
+
+
+@pytest.mark.parametrize("init_scale,max_scale", [(1.5 * 2.0**126, None), (2.0**126, 2.0**127),
+                                                   (1.5 * 2.0**126, 2.0**127),
+                                                   (F32_MAX / 3, None)])
+def test_growth_near_the_top_of_float32_stops_where_pytorch_stops(init_scale, max_scale):
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=init_scale, growth_interval=1,
+                                 growth_factor=2.0, max_scale=max_scale)
+  params = {"w": jnp.zeros(1, jnp.float32)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  expected = init_scale
+  for _ in range(3):
+    _, state = step({"w": jnp.ones(1, jnp.float32)}, state, params)
+    expected = _torch_growth(expected, 2.0, F32_MAX if max_scale is None else max_scale)
+    assert float(state.scale) == expected
+    assert math.isfinite(float(state.scale))
+
+
+def _paddle_rule(found_infs, scale, hysteresis, growth_interval, backoff, growth, min_scale):
+  """The scale after each step: Paddle's update_loss_scaling with incr/decr counters."""
+  good = bad = 0
+  out = []
+  for found in found_infs:
+    if found:
+      good = 0
+      bad += 1
+      if bad == hysteresis:
+        scale = max(float(np.float32(scale * backoff)), min_scale)
+        bad = 0
+    else:
+      bad = 0
+      good += 1
+      if good == growth_interval:
+        scale = float(np.float32(scale * growth))
+        good = 0
+    out.append(scale)
+  return out
+
+
+@pytest.mark.parametrize("hysteresis,growth_interval", [(1, 1), (2, 3), (3, 2)])
+def test_scale_follows_the_rule_with_hysteresis(hysteresis, growth_interval):
+  found = [True, False, True, True, False, False, False, True, True, True, False, True]
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**10, hysteresis=hysteresis,
+                                 growth_interval=growth_interval, backoff_factor=0.25,
+                                 growth_factor=4.0, min_scale=2.0**5)
+  params = {"w": jnp.zeros(1, jnp.float32)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  want = _paddle_rule(found, 2.0**10, hysteresis, growth_interval, 0.25, 4.0, 2.0**5)
+  skipped = 0
+  for i, bad in enumerate(found):
+    g = jnp.full(1, jnp.inf if bad else 1.0, jnp.float32)
+    updates, state = step({"w": g}, state, params)
+    skipped += bad
+    assert float(state.scale) == want[i], i
+    assert bool(state.skipped) == bad
+    assert int(state.skipped_steps) == skipped
+    np.testing.assert_array_equal(updates["w"], [-0.0] if bad else [-1.0 / float(
+        want[i - 1] if i else 2.0**10)])
+
+
+def test_static_scale_never_moves_but_still_skips():
+  tx = jaxamp.static_loss_scale(optax.sgd(1.0), 2.0**20)
+  params = {"w": jnp.zeros(1, jnp.float32)}
+  state = tx.init(params)
+  for g in (jnp.inf, 2.0**20, jnp.nan, 2.0**21):
+    updates, state = tx.update({"w": jnp.full(1, g, jnp.float32)}, state, params)
+    assert float(state.scale) == 2.0**20
+  assert int(state.skipped_steps) == 2
+  np.testing.assert_array_equal(updates["w"], [-2.0])
