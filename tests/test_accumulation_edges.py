@@ -86,8 +86,9 @@ def test_half_precision_gradients_accumulate_in_float32():
   params = {"w": jnp.zeros([], jnp.bfloat16)}
   state = tx.init(params)
   assert state.acc_grads["w"].dtype == jnp.float32
+  step = jax.jit(tx.update)
   for g in (256.0, 1.0, 1.0, 1.0):
-    updates, state = tx.update({"w": jnp.asarray(g, jnp.bfloat16)}, state, params)
+    updates, state = step({"w": jnp.asarray(g, jnp.bfloat16)}, state, params)
   assert updates["w"].dtype == jnp.bfloat16
   assert float(updates["w"]) == float(jnp.asarray(-259.0, jnp.bfloat16))
   # A float64-free explicit accumulator dtype is honoured.
@@ -108,7 +109,7 @@ def test_microbatch_gradients_of_half_precision_params_accumulate_in_float32():
   assert float(grads["w"]) == float(jnp.asarray(259.0 / 4, jnp.bfloat16))
   assert float(loss) == 259.0 / 4
   # A bfloat16 accumulator is what the user asks for with accumulator_dtype.
-  _, low = jaxamp.microbatch_value_and_grad(_loss, 4, accumulator_dtype=jnp.bfloat16)(
+  _, low = jax.jit(jaxamp.microbatch_value_and_grad(_loss, 4, accumulator_dtype=jnp.bfloat16))(
       params, batch)
   assert float(low["w"]) == 64.0
 
@@ -119,10 +120,10 @@ def test_microbatch_value_and_grad_matches_the_whole_batch():
   loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
   want_loss, want = jax.value_and_grad(loss_fn)(params, {"x": x})
   for n in (1, 2, 3):
-    loss, grads = jaxamp.microbatch_value_and_grad(loss_fn, n)(params, {"x": x})
+    loss, grads = jax.jit(jaxamp.microbatch_value_and_grad(loss_fn, n))(params, {"x": x})
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     np.testing.assert_allclose(grads["w"], want["w"], rtol=1e-6)
-  (loss, aux), grads = jaxamp.microbatch_value_and_grad(
-      lambda p, b: (loss_fn(p, b), jnp.sum(b["x"])), 3, has_aux=True)(params, {"x": x})
+  (loss, aux), grads = jax.jit(jaxamp.microbatch_value_and_grad(
+      lambda p, b: (loss_fn(p, b), jnp.sum(b["x"])), 3, has_aux=True))(params, {"x": x})
   np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
   assert aux.shape[0] == 3  # one aux per micro-batch

@@ -107,8 +107,9 @@ def test_static_scale_never_moves_but_still_skips():
   tx = jaxamp.static_loss_scale(optax.sgd(1.0), 2.0**20)
   params = {"w": jnp.zeros(1, jnp.float32)}
   state = tx.init(params)
+  step = jax.jit(tx.update)
   for g in (jnp.inf, 2.0**20, jnp.nan, 2.0**21):
-    updates, state = tx.update({"w": jnp.full(1, g, jnp.float32)}, state, params)
+    updates, state = step({"w": jnp.full(1, g, jnp.float32)}, state, params)
     assert float(state.scale) == 2.0**20
   assert int(state.skipped_steps) == 2
   np.testing.assert_array_equal(updates["w"], [-2.0])

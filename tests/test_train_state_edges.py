@@ -100,14 +100,14 @@ def test_value_and_grad_with_axis_name_averages_the_scaled_gradients_over_device
       apply_fn=None, params=params,
       tx=jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0))
   xs = jnp.array([[1.0, 0.5], [2.0, -1.0]])  # one batch per (vmapped) device
-  loss, grads = jax.vmap(state.value_and_grad(_loss, axis_name="d"), in_axes=(None, 0),
-                         axis_name="d")(params, xs)
-  per_device = [jax.grad(_loss)(params, x)["w"] * 8.0 for x in xs]
+  loss, grads = jax.jit(jax.vmap(state.value_and_grad(_loss, axis_name="d"), in_axes=(None, 0),
+                                 axis_name="d"))(params, xs)
+  per_device = [2 * np.dot(params["w"], x) * np.asarray(x) * 8.0 for x in xs]
   for i in range(2):
     np.testing.assert_allclose(loss[i], _loss(params, xs[i]), rtol=1e-6)  # unscaled
     np.testing.assert_allclose(grads["w"][i], (per_device[0] + per_device[1]) / 2, rtol=1e-6)
   # Without axis_name each device keeps its own gradients.
-  _, own = jax.vmap(state.value_and_grad(_loss), in_axes=(None, 0))(params, xs)
+  _, own = jax.jit(jax.vmap(state.value_and_grad(_loss), in_axes=(None, 0)))(params, xs)
   np.testing.assert_allclose(own["w"][1], per_device[1], rtol=1e-6)
 
 
