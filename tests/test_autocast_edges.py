@@ -44,3 +44,36 @@ def test_float32_rules_widen_half_precision_inputs():
   out = f(jnp.asarray(X))
   assert out.dtype == jnp.float32
   np.testing.assert_allclose(out, np.exp(X @ X), rtol=1e-6)
+
+
+@jax.custom_vjp
+def _mul_sin(x, y):
+  return x @ y, jnp.sin(x)
+
+
+def _mul_sin_fwd(x, y):
+  return _mul_sin(x, y), (x, y)  # residuals that are the inputs themselves
+
+
+def _mul_sin_bwd(res, cts):
+  x, y = res
+  ct_mul, ct_sin = cts
+  return ct_mul @ y.T + ct_sin * jnp.cos(x), x.T @ ct_mul
+
+
+_mul_sin.defvjp(_mul_sin_fwd, _mul_sin_bwd)
+
+
+def test_gradients_through_a_custom_vjp_match_the_float32_ones():
+  # Only the first output reaches the loss: the rule gets a zero cotangent for the second.
+  loss = lambda x, y: jnp.sum(_mul_sin(x, y)[0])
+  x, y = jnp.asarray(X), jnp.asarray(Y)
+  want = jax.grad(loss, argnums=(0, 1))(x, y)
+  got = jax.jit(jax.grad(jaxamp.autocast(loss, jnp.bfloat16), argnums=(0, 1)))(x, y)
+  for g, w in zip(got, want):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2)
+  both = lambda x, y: jnp.sum(_mul_sin(x, y)[0]) + jnp.sum(_mul_sin(x, y)[1])
+  got = jax.grad(jaxamp.autocast(both, jnp.float16))(x, y)
+  np.testing.assert_allclose(got, jax.grad(both)(x, y), rtol=2e-3, atol=2e-3)
+
