@@ -120,3 +120,16 @@ def test_value_and_grad_with_aux_returns_the_unscaled_loss_and_the_aux():
       lambda p: (jnp.sum(p["w"] ** 2), {"n": 3}), has_aux=True)(params)
   assert float(loss) == 5.0 and aux == {"n": 3}
   np.testing.assert_array_equal(grads["w"], [8.0, 16.0])
+
+
+def test_step_metrics_report_the_mean_stale_fraction_of_the_bfloat16_leaves():
+  params = {"small": jnp.ones(4, jnp.bfloat16), "large": jnp.ones(4, jnp.bfloat16)}
+  tx = jaxamp.low_precision_params(optax.sgd(1.0), "kahan")
+  state = tx.init(params)
+  # An update of 1e-4 is lost when added to 1.0 in bfloat16; an update of 0.5 is not.
+  grads = {"small": jnp.full(4, 1e-4, jnp.bfloat16), "large": jnp.full(4, 0.5, jnp.bfloat16)}
+  _, state = jax.jit(tx.update)(grads, state, params)
+  metrics = jaxamp.step_metrics(state)
+  np.testing.assert_array_equal(metrics["stale_fraction_per_leaf"], [0.0, 1.0])  # tree order
+  assert float(metrics["stale_fraction"]) == 0.5
+  assert "loss_scale" not in metrics
