@@ -77,3 +77,32 @@ def test_gradients_through_a_custom_vjp_match_the_float32_ones():
   got = jax.grad(jaxamp.autocast(both, jnp.float16))(x, y)
   np.testing.assert_allclose(got, jax.grad(both)(x, y), rtol=2e-3, atol=2e-3)
 
+
+
+@jax.custom_vjp
+def _scaled_pair(x, y):
+  return x @ y, x * 2.0
+
+
+def _scaled_pair_fwd(x, y):
+  return _scaled_pair(x.value, y.value), (x.value, y.value)
+
+
+def _scaled_pair_bwd(res, cts):
+  x, y = res
+  ct_mul, ct_double = cts
+  # With symbolic_zeros the rule sees which outputs got no cotangent.
+  assert isinstance(ct_double, jax.custom_derivatives.SymbolicZero)
+  return ct_mul @ y.T, x.T @ ct_mul
+
+
+_scaled_pair.defvjp(_scaled_pair_fwd, _scaled_pair_bwd, symbolic_zeros=True)
+
+
+def test_a_custom_vjp_with_symbolic_zeros_still_sees_them_under_autocast():
+  loss = lambda x, y: jnp.sum(_scaled_pair(x, y)[0])
+  x, y = jnp.asarray(X), jnp.asarray(Y)
+  got = jax.grad(jaxamp.autocast(loss, jnp.bfloat16), argnums=(0, 1))(x, y)
+  want = jax.grad(loss, argnums=(0, 1))(x, y)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2)
