@@ -133,3 +133,36 @@ def test_step_metrics_report_the_mean_stale_fraction_of_the_bfloat16_leaves():
   np.testing.assert_array_equal(metrics["stale_fraction_per_leaf"], [0.0, 1.0])  # tree order
   assert float(metrics["stale_fraction"]) == 0.5
   assert "loss_scale" not in metrics
+
+
+class _WithStats(jaxamp.TrainState):
+  stats: dict
+
+
+def _stats_state():
+  params = {"w": jnp.array([1.0, 2.0])}
+  return _WithStats.create(apply_fn=None, params=params, stats={"mean": jnp.zeros(2)},
+                           tx=jaxamp.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0))
+
+
+def test_a_skipped_step_keeps_the_previous_statistics_and_an_applied_one_takes_the_new():
+  state = _stats_state()
+  step = jax.jit(lambda s, g, m: s.apply_gradients(grads={"w": g}, stats={"mean": m}))
+  state = step(state, jnp.array([2.0, 4.0]), jnp.array([1.0, 1.0]))  # applied
+  np.testing.assert_array_equal(state.stats["mean"], [1.0, 1.0])
+  np.testing.assert_array_equal(state.params["w"], [0.5, 1.0])
+  assert int(state.step) == 1
+  state = step(state, jnp.array([jnp.inf, 4.0]), jnp.array([9.0, 9.0]))  # skipped
+  np.testing.assert_array_equal(state.stats["mean"], [1.0, 1.0])
+  np.testing.assert_array_equal(state.params["w"], [0.5, 1.0])
+  assert int(state.step) == 1
+  # A field given with another structure is replaced as given.
+  other = state.apply_gradients(grads={"w": jnp.array([jnp.nan, 0.0])},
+                                stats={"mean": jnp.ones(2), "var": jnp.ones(2)})
+  assert set(other.stats) == {"mean", "var"}
+
+
+def test_opt_state_is_what_tx_init_gives_without_fp8_layers():
+  state = _stats_state()
+  expected = state.tx.init(state.params)
+  assert jax.tree.structure(state.opt_state) == jax.tree.structure(expected)
