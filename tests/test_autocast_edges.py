@@ -106,3 +106,4 @@ def test_a_custom_vjp_with_symbolic_zeros_still_sees_them_under_autocast():
   want = jax.grad(loss, argnums=(0, 1))(x, y)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2)
+
