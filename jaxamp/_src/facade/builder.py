@@ -25,7 +25,7 @@ from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.mmengine import trees
 from jaxamp._src.facade.mmengine.amp_optim_wrapper import AmpOptimWrapper
-from jaxamp._src.facade.mmengine.hyperparams import GroupSpec
+from jaxamp._src.facade.mmengine.param_groups import GroupSpec
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
 from jaxamp._src.facade.mmengine.optim_wrapper import describe_groups
 from jaxamp._src.facade.mmengine.optim_wrapper import install_group_specs

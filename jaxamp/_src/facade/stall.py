@@ -1,7 +1,7 @@
 """Reporting a run stuck on skipped steps from the stateful facades, without a host sync per step.
 
 The device state counts the consecutive skipped iterations and sets a ``stalled``
-flag (``LossScaleState.stalled``, ``ScalerState.stalled``). A facade reads that
+flag (``LossScaleState.stalled``). A facade reads that
 flag every ``check_every`` iterations, once the device has computed it, so the
 read never waits. When the flag is set
 it warns (the default), raises, or stays silent, naming the gradient leaves that
@@ -85,3 +85,17 @@ def leaf_names_with_nonfinite(tree: Any) -> list:
         and bool(jax.device_get(finite.nonfinite_mask(leaf).any()))):
       paths.append(jax.tree_util.keystr(path))
   return paths
+
+
+def nonfinite_grad_leaves(optimizers: list) -> list:
+  """The gradient leaves holding inf or nan in each optimizer's ``grads`` (a host sync).
+
+  With several optimizers each path is prefixed by the optimizer's position.
+  """
+  names: list[str] = []
+  for i, optimizer in enumerate(optimizers):
+    grads = getattr(optimizer, "grads", None)
+    if grads is not None:
+      prefix = f"optimizer {i}: " if len(optimizers) > 1 else ""
+      names.extend(prefix + name for name in leaf_names_with_nonfinite(grads))
+  return names

@@ -1,9 +1,9 @@
 """``jaxamp.GradScaler``: PyTorch's ``torch.amp.GradScaler`` for JAX training loops.
 
 The scaler steps an *optimizer holder*: ``jaxamp.OptimWrapper`` or any object
-with the protocol described in :mod:`jaxamp._src.facade.scaler_core`, which
-also holds the state, the stage bookkeeping and the jitted steps this facade
-shares with the Paddle one. PyTorch's ``scaler.scale(loss).backward()`` is
+with the protocol described in :mod:`jaxamp._src.facade.holder`. Its state
+(:mod:`.scaler_state`) and the stages of each optimizer (:mod:`.stages`) are
+shared with the Paddle facade. PyTorch's ``scaler.scale(loss).backward()`` is
 spelled ``opt.backward(scaler.scale(loss_fn), batch)``.
 """
 
@@ -23,7 +23,9 @@ from jaxamp._src import state as state_lib
 from jaxamp._src import loss_scale
 from jaxamp._src import outside
 from jaxamp._src import validation
-from jaxamp._src.facade import scaler_core as core
+from jaxamp._src.facade import holder
+from jaxamp._src.facade import scaler_state
+from jaxamp._src.facade.stages import OptState, StageBook
 from jaxamp._src.facade import stall
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.errors import NewScaleError
@@ -179,13 +181,13 @@ class GradScaler:
     self._backoff_factor = backoff_factor
     self._growth_interval = growth_interval
     self._init_growth_tracker = 0
-    self._state: Optional[core.ScalerState] = None
-    self._stages = core.StageBook()
+    self._state: Optional[state_lib.LossScaleState] = None
+    self._stages = StageBook()
     self._scales_in_use = ScalesInUse()
     self._stall_after = validation.check_count("stall_after", stall_after)
     self._monitor = stall.StallMonitor(on_stall, stall_check_every)
     if self._enabled:
-      growth, backoff = core.check_factor_types(growth_factor=growth_factor,
+      growth, backoff = scaler_state.check_factors(growth_factor=growth_factor,
                                                 backoff_factor=backoff_factor)
       if growth <= 1.0:
         raise AssertionValueError("The growth factor must be > 1.0.")
@@ -210,12 +212,12 @@ class GradScaler:
 
   # -- state ------------------------------------------------------------------------------------
 
-  def _lazy_init_scale_growth_tracker(self) -> core.ScalerState:
+  def _lazy_init_scale_growth_tracker(self) -> state_lib.LossScaleState:
     if self._state is None:
-      self._state = core.make_state(self._init_scale, self._init_growth_tracker)
+      self._state = scaler_state.make_state(self._init_scale, self._init_growth_tracker)
     return self._state
 
-  def _check_scale_growth_tracker(self, funcname: str) -> core.ScalerState:
+  def _check_scale_growth_tracker(self, funcname: str) -> state_lib.LossScaleState:
     if self._state is None:
       raise AssertionError(f"Attempted {funcname} but _scale is None.  " + _NOT_SCALED_FIX)
     return self._state
@@ -246,7 +248,7 @@ class GradScaler:
     return self._scale_array()
 
   @property
-  def state(self) -> Optional[core.ScalerState]:
+  def state(self) -> Optional[state_lib.LossScaleState]:
     """The device state; ``None`` when disabled.
 
     Created by the first access (or the first :meth:`scale`), so that the
@@ -285,18 +287,18 @@ class GradScaler:
     """
     if not self._enabled:
       return outputs
-    if callable(outputs) and not isinstance(outputs, (list, tuple)) and not core.is_array(outputs):
+    if callable(outputs) and not isinstance(outputs, (list, tuple)) and not validation.is_array(outputs):
       self._lazy_init_scale_growth_tracker()
       # Inside a scaled loss being traced, the new function multiplies by that loss's (traced)
       # scale, not by the state's, which the compiled code would freeze.
       in_use = self._scales_in_use.current()
       return ScaledLoss(outputs, self, bool(has_aux), in_use)
     scale = self._current_scale("scale")
-    if core.is_array(outputs):
+    if validation.is_array(outputs):
       return state_lib.multiply_by_scale(outputs, scale)
 
     def apply_scale(val: Any) -> Any:
-      if core.is_array(val):
+      if validation.is_array(val):
         return state_lib.multiply_by_scale(val, scale)
       if isinstance(val, (list, tuple)):
         items = [apply_scale(v) for v in val]
@@ -332,10 +334,10 @@ class GradScaler:
       return
     state = self._check_scale_growth_tracker("unscale_")
     record = self._stages.check_unscale(optimizer)
-    found_inf = core.unscale_grads(optimizer, state.scale, allow_float16=False)
+    found_inf = holder.unscale_grads(optimizer, state.scale, allow_float16=False)
     if found_inf is not None:
       record.found_inf = found_inf
-    record.stage = core.OptState.UNSCALED
+    record.stage = OptState.UNSCALED
 
   def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
     """Unscales (unless :meth:`unscale_` did) and applies the gradients unless one is inf/nan.
@@ -359,13 +361,13 @@ class GradScaler:
       raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
     state = self._check_scale_growth_tracker("step")
     record = self._stages.check_step(optimizer)
-    if record.stage is core.OptState.READY and not args and not kwargs:
-      found_inf = core.fused_step(optimizer, state.scale, allow_float16=False)
+    if record.stage is OptState.READY and not args and not kwargs:
+      found_inf = holder.fused_step(optimizer, state.scale, allow_float16=False)
       if found_inf is not None:
-        record.found_inf, record.stage = found_inf, core.OptState.STEPPED
+        record.found_inf, record.stage = found_inf, OptState.STEPPED
         return None
-    if record.stage is core.OptState.READY:
-      if core.holder_grads_empty(optimizer):
+    if record.stage is OptState.READY:
+      if not holder.holds_grads(optimizer):
         # Refused before anything is recorded: the optimizer stays READY, so the next
         # iteration works (PyTorch leaves it UNSCALED, and every later step raises).
         raise AssertionError("No inf checks were recorded for this optimizer.")
@@ -373,7 +375,7 @@ class GradScaler:
     if record.found_inf is None:
       raise AssertionError("No inf checks were recorded for this optimizer.")
     optimizer.apply_gradients(*args, skip=record.found_inf, **kwargs)
-    record.stage = core.OptState.STEPPED
+    record.stage = OptState.STEPPED
     return None
 
   def update(self, new_scale: Any = None) -> None:
@@ -405,7 +407,7 @@ class GradScaler:
       return
     state = self._check_scale_growth_tracker("update")
     if new_scale is not None:
-      if core.is_array(new_scale):
+      if validation.is_array(new_scale):
         if np.size(new_scale) != 1:
           raise NewScaleError(_NEW_SCALE_REASON)
         value = jnp.asarray(outside.scale("new_scale", new_scale, self._rule.min_scale,
@@ -421,17 +423,17 @@ class GradScaler:
       found_infs = self._stages.found_infs()
       if not found_infs:
         raise AssertionError("No inf checks were recorded prior to update.")
-      self._state, _ = core.update_fn(self._rule, self._stall_after)(state, found_infs)
+      self._state, _ = scaler_state.update_fn(self._rule, self._stall_after)(state, found_infs)
       optimizers = self._stages.optimizers()
       self._monitor.after_step(self._state.stalled, self._state.skip_streak,
-                               lambda: core.nonfinite_grad_leaves(optimizers))
+                               lambda: stall.nonfinite_grad_leaves(optimizers))
     self._stages.reset()
 
   def step_metrics(self) -> dict:
     """:func:`jaxamp.step_metrics`: the scale and the skip counters, as device scalars."""
     if not self._enabled:
       raise ValueError("step_metrics needs loss scaling: this GradScaler is disabled")
-    return core.metrics(self._lazy_init_scale_growth_tracker())
+    return state_lib.step_metrics(self._lazy_init_scale_growth_tracker())
 
   # -- getters and setters ----------------------------------------------------------------------
 
@@ -534,10 +536,9 @@ class GradScaler:
     """
     if not self._enabled:
       return
-    outside.mapping("state_dict", state_dict)
-    core.require_nonempty(state_dict, "The source state dict is empty, possibly because it was "
-                          "saved from a disabled instance of GradScaler.")
-    outside.keys("state_dict", state_dict, _STATE_KEYS)
+    scaler_state.checked_state_dict(state_dict, _STATE_KEYS, "The source state dict is empty, "
+                                    "possibly because it was saved from a disabled instance of "
+                                    "GradScaler.")
     growth_factor = state_dict["growth_factor"]
     backoff_factor = state_dict["backoff_factor"]
     growth_interval = state_dict["growth_interval"]
@@ -552,7 +553,7 @@ class GradScaler:
     self._init_scale = scale
     self._init_growth_tracker = tracker
     if self._state is not None:
-      self._state = core.make_state(scale, tracker, self._state.overflow_count)
+      self._state = scaler_state.make_state(scale, tracker, self._state.overflow_count)
 
 
 @functools.partial(jax.jit, static_argnames="norm_type")

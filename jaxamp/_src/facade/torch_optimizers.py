@@ -7,7 +7,7 @@ momentum step, amsgrad on the raw second moment). :data:`TORCH_OPTIMIZERS`
 describes each one as ``build_optim_wrapper`` takes it: PyTorch's defaults,
 the keys that select code (fixed at construction), PyTorch's argument checks
 and messages, and how each hyperparameter is read and written in the
-``optax.inject_hyperparams`` state (:mod:`.mmengine.hyperparams`).
+``optax.inject_hyperparams`` state (:mod:`.hyperparam_codecs`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._src import validation
-from jaxamp._src.facade.mmengine import hyperparams as hp
+from jaxamp._src.facade import hyperparam_codecs as hp
 
 # -------------------------------------------------------------------------------------------------
 # The update rules.

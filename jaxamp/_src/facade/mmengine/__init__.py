@@ -6,8 +6,8 @@
 * :mod:`.optim_wrapper_dict`: ``OptimWrapperDict`` (named wrappers);
 * :mod:`.counting`: mmengine's accumulation counters and loss factors;
 * :mod:`.clip`: ``clip_grad`` parsing;
-* :mod:`.hyperparams`: PyTorch-named hyperparameters in optax's injected
-  state, parameter groups;
+* :mod:`.param_groups`: parameter groups (their books, the live
+  ``param_groups[i]`` view, saved groups);
 * :mod:`.jit_args`: the static/dynamic split of a loss-function call;
 * :mod:`.sharding_pins`: outputs kept on the parameters' shardings;
 * :mod:`.trees`: leaf names and checks of user pytrees.

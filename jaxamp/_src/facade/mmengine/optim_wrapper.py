@@ -31,7 +31,8 @@ from jaxamp._src import clipping
 from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionTypeError
-from jaxamp._src.facade.mmengine import hyperparams as hp
+from jaxamp._src.facade import hyperparam_codecs as hc
+from jaxamp._src.facade.mmengine import param_groups as pg
 from jaxamp._src.facade.mmengine import sharding_pins
 from jaxamp._src.facade.mmengine import trees
 from jaxamp._src.facade.mmengine.clip import parse_clip_grad
@@ -271,7 +272,7 @@ class OptimWrapper:
     self._last_grad_norm: Optional[jax.Array] = None
     self._build_steps()
     self._factors: Dict[float, jax.Array] = {}
-    self._specs: Optional[List[hp.GroupSpec]] = None
+    self._specs: Optional[List[pg.GroupSpec]] = None
     self._defaults: Optional[dict] = None
     self._base_param_settings: Any = _UNSET
     self.optimizer = WrappedOptimizer(self)
@@ -717,37 +718,35 @@ class OptimWrapper:
 
   # -- hyperparameters --------------------------------------------------------------------------
 
-  def _group_specs(self) -> List[hp.GroupSpec]:
+  def _group_specs(self) -> List[pg.GroupSpec]:
     if self._specs is None:
-      nodes = hp.inject_nodes(self.opt_state)
+      nodes = hc.inject_nodes(self.opt_state)
       names = trees.param_names(self._params)
       if not nodes:
-        self._specs = [hp.GroupSpec(names=names, codecs={})]
+        self._specs = [pg.GroupSpec(names=names, codecs={})]
       else:
-        self._specs = [hp.GroupSpec(names=names if len(nodes) == 1 else None,
-                                    codecs=hp.generic_codecs(node.hyperparams)) for node in nodes]
+        self._specs = [pg.GroupSpec(names=names if len(nodes) == 1 else None,
+                                    codecs=hc.generic_codecs(node.hyperparams)) for node in nodes]
     return self._specs
 
-  def _set_group_specs(self, specs: List[hp.GroupSpec], defaults: dict) -> None:
-    if len(specs) != len(hp.inject_nodes(self.opt_state)):
+  def _set_group_specs(self, specs: List[pg.GroupSpec], defaults: dict) -> None:
+    if len(specs) != len(hc.inject_nodes(self.opt_state)):
       raise ValueError("one parameter group per inject_hyperparams state is expected")
     self._specs = specs
     self._defaults = dict(defaults)
 
   def _read_hyperparam(self, index: int, key: str) -> Any:
-    return hp.read_hyperparam(self._group_specs()[index], hp.inject_nodes(self.opt_state)[index],
+    return pg.read_hyperparam(self._group_specs()[index], hc.inject_nodes(self.opt_state)[index],
                               key)
 
-  def _hyperparam_state(self, opt_state: Any, index: int, key: str, value: Any) -> Any:
-    return hp.with_hyperparam(opt_state, index, self._group_specs()[index].codecs[key], value)
-
   def _write_hyperparam(self, index: int, key: str, value: Any) -> None:
-    opt_state = self._hyperparam_state(self.opt_state, index, key, value)
+    codec = self._group_specs()[index].codecs[key]
+    opt_state = hc.with_hyperparam(self.opt_state, index, codec, value)
     self._state = self._with_opt(self._state, opt_state)
     self._group_specs()[index].mirror[key] = value
 
-  def _optimizer_groups(self) -> List[hp.ParamGroup]:
-    return [hp.ParamGroup(self, i) for i in range(len(self._group_specs()))]
+  def _optimizer_groups(self) -> List[pg.ParamGroup]:
+    return [pg.ParamGroup(self, i) for i in range(len(self._group_specs()))]
 
   @property
   def base_param_settings(self) -> Optional[dict]:
@@ -892,7 +891,7 @@ class OptimWrapper:
                        f"{missing}, unexpected {extra}")
     opt_state = trees.validated_like(state_dict["state"], self.opt_state, "state_dict['state']")
     outside.validate_opt_state(opt_state)
-    opt_state, commit_groups = hp.load_groups(state_dict["param_groups"], self._group_specs(),
+    opt_state, commit_groups = pg.load_groups(state_dict["param_groups"], self._group_specs(),
                                               opt_state)
 
     def commit():
@@ -928,7 +927,7 @@ class WrappedOptimizer:
   mmengine's hooks, parameter schedulers and loops read and write
   ``optim_wrapper.optimizer.param_groups``; here they are live views of the
   hyperparameters in the wrapper's optax state (see
-  :class:`~jaxamp._src.facade.mmengine.hyperparams.ParamGroup`): writing
+  :class:`~jaxamp._src.facade.mmengine.param_groups.ParamGroup`): writing
   ``param_groups[i]['lr']`` takes effect at the next step, without a
   recompilation. ``state_dict()``/``load_state_dict()`` are the
   optimizer's (without mmengine's ``base_param_settings``);
@@ -944,7 +943,7 @@ class WrappedOptimizer:
     return self._wrapper._optimizer  # noqa: SLF001
 
   @property
-  def param_groups(self) -> List[hp.ParamGroup]:
+  def param_groups(self) -> List[pg.ParamGroup]:
     """One live view per parameter group (one per ``inject_hyperparams`` state)."""
     return self._wrapper._optimizer_groups()  # noqa: SLF001
 
@@ -965,10 +964,10 @@ class WrappedOptimizer:
     return repr(self.transformation)
 
 
-def install_group_specs(wrapper: OptimWrapper, specs: List[hp.GroupSpec], defaults: dict) -> None:
+def install_group_specs(wrapper: OptimWrapper, specs: List[pg.GroupSpec], defaults: dict) -> None:
   """Gives ``wrapper`` the parameter groups :func:`jaxamp.build_optim_wrapper` built.
 
-  ``specs`` holds one :class:`~.hyperparams.GroupSpec` per injected state
+  ``specs`` holds one :class:`~.param_groups.GroupSpec` per injected state
   of the wrapper's optimizer (names, PyTorch codecs, fixed keys, extras),
   ``defaults`` the optimizer's defaults with PyTorch's names.
   """

@@ -14,7 +14,7 @@ from jaxamp._src import state as state_lib
 
 from jaxamp._src.facade.errors import AssertionKeyError
 from jaxamp._src.facade.errors import AssertionTypeError
-from jaxamp._src.facade.mmengine.hyperparams import ParamGroup
+from jaxamp._src.facade.mmengine.param_groups import ParamGroup
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
 from jaxamp._src.facade.scaled_loss import ScaledLoss
 
