@@ -347,7 +347,7 @@ def test_flax_linen_apply_and_nnx_split_merge():
     ("float32", ValueError, "dtype must be float16 or bfloat16, got float32; for full precision"),
     (jnp.int8, ValueError, "dtype must be a floating-point dtype, got int8"),
     ("quarter", ValueError, "dtype must be one of"),
-    (object(), TypeError, "dtype must be a dtype or a dtype name"),
+    (object(), TypeError, "dtype must be a floating-point dtype \\(a dtype or a dtype name\\)"),
 ])
 def test_bad_dtypes_are_refused_at_construction(dtype, error, match):
   with pytest.raises(error, match=match):

@@ -12,9 +12,9 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parent.parent / "jaxamp" / "_src"
 
 LAYERS = [
-    ["validation", "sharding", "numerics", "policy", "autocast_ops", "jaxpr_interp",
+    ["validation", "sharding", "numerics", "autocast_ops", "jaxpr_interp",
      "facade.errors", "facade.mmengine.sharding_pins"],
-    ["outside"],
+    ["outside", "policy"],
     ["state", "finite", "autocast", "facade.mmengine.trees"],
     ["selective_update", "clipping", "fp8", "low_precision", "facade.scaled_loss"],
     ["loss_scale", "accumulation", "microbatch", "train_state", "nnx_optimizer"],

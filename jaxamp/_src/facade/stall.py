@@ -15,7 +15,6 @@ import warnings
 from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
 
 from jaxamp._src import finite
 from jaxamp._src import validation
@@ -81,7 +80,7 @@ def leaf_names_with_nonfinite(tree: Any) -> list:
   """The paths (``keystr``) of the floating leaves of ``tree`` that hold inf or nan (a host sync)."""
   paths = []
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if (jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+    if (validation.is_inexact(leaf)
         and bool(jax.device_get(finite.nonfinite_mask(leaf).any()))):
       paths.append(jax.tree_util.keystr(path))
   return paths

@@ -10,7 +10,6 @@ spelled ``opt.backward(scaler.scale(loss_fn), batch)``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import numbers
 from typing import Any, Optional
 
@@ -65,17 +64,13 @@ class GradScaler:
       scaler.step(opt)                            # skipped on inf/nan, no host sync
       scaler.update()
 
-  ``opt`` is a :class:`jaxamp.OptimWrapper` or any object with its protocol:
-  ``params``, ``opt_state``, settable ``grads``, ``backward(loss_fn, *args,
-  has_aux=False, **kwargs)`` (adds the gradients of ``loss_fn(params, *args)``
-  into ``grads``, taking ``loss_fn`` as a jit pytree argument) and
-  ``apply_gradients(grads=None, *, skip=None)`` (one jitted clip + optax
-  update + apply, leaving everything bit-identical when the device boolean
-  ``skip`` is true). A holder that also has ``apply_scaled_gradients(scale)``
-  (unscale, check and apply in one call, returning ``found_inf``), as
-  :class:`jaxamp.OptimWrapper` has, is stepped with it when :meth:`unscale_`
-  was not called: the unscaled gradients are then never written out, and
-  ``opt.grads`` reads them unscaled afterwards, as PyTorch's ``.grad``.
+  ``opt`` is a :class:`jaxamp.OptimWrapper` or any object with its
+  optimizer-holder protocol (``params``, ``opt_state``, settable ``grads``,
+  ``backward``, ``apply_gradients(grads=None, *, skip=None)``; see
+  :mod:`jaxamp._src.facade.holder`). When :meth:`unscale_` was not called,
+  a holder with ``apply_scaled_gradients`` unscales, checks and applies in
+  one call; ``opt.grads`` reads the gradients unscaled afterwards, as
+  PyTorch's ``.grad``.
 
   The update rule is PyTorch's, with the scale arithmetic done as PyTorch
   does it (in float64, rounded to float32)::
@@ -556,14 +551,7 @@ class GradScaler:
       self._state = scaler_state.make_state(scale, tracker, self._state.overflow_count)
 
 
-@functools.partial(jax.jit, static_argnames="norm_type")
-def _clip_by_total_norm(grads: Any, max_norm: jax.Array, norm_type: float) -> tuple[Any, jax.Array]:
-  norm = clipping.total_grad_norm(grads, norm_type)
-  coef = jnp.minimum(max_norm / (norm + jnp.float32(1e-6)), jnp.float32(1.0))
-  clipped = jax.tree.map(
-      lambda g: (g.astype(jnp.float32) * coef).astype(g.dtype)
-      if jnp.issubdtype(g.dtype, jnp.inexact) else g, grads)
-  return clipped, norm
+_clip_by_total_norm = jax.jit(clipping.clip_by_total_norm, static_argnames="order")
 
 
 def clip_grad_norm_(optimizer: Any, max_norm: float, norm_type: float | str = 2.0,

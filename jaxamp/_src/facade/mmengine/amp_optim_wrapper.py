@@ -8,7 +8,6 @@ PyTorch's ``GradScaler`` format.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
@@ -201,7 +200,7 @@ class AmpOptimWrapper(OptimWrapper):
   # -- transformation --------------------------------------------------------------------------
 
   def _build_transformation(self) -> optax.GradientTransformation:
-    inner = self._inner_transformation()
+    inner = super()._build_transformation()
     cfg = self._scaler
     if cfg.kind == "disabled":
       return inner
@@ -251,29 +250,6 @@ class AmpOptimWrapper(OptimWrapper):
     if closure is not None and self._scaling:
       raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
     super().step(closure)
-
-  def backward(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
-               **kwargs: Any) -> Any:
-    """Adds the gradients of the scaled loss ``loss_fn(params, ...) * scale`` to :attr:`grads`.
-
-    The loss is computed in the compute ``dtype``; the returned loss is the
-    unscaled one (float32 when a ``dtype`` is set).
-    """
-    return self._run_backward(loss_fn, args, kwargs, has_aux, 1.0)
-
-  @contextlib.contextmanager
-  def optim_context(self, model: Any = None):
-    """As :meth:`OptimWrapper.optim_context`; yields the cast to the compute ``dtype``.
-
-    JAX has no global autocast: ``backward`` and ``update_params`` always
-    run the loss in the compute dtype; inside the context, user code casts
-    what it computes itself with the yielded function::
-
-      with wrapper.optim_context() as cast:
-        logits = model.apply(cast(params), cast(x))
-    """
-    with super().optim_context(model) as cast:
-      yield cast
 
   # -- loss scale ------------------------------------------------------------------------------
 
@@ -362,7 +338,6 @@ class AmpOptimWrapper(OptimWrapper):
       raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     state_dict = dict(state_dict)
     scaler = state_dict.pop("loss_scaler", None)
-    state_dict.pop("base_param_settings", None)
     install = None if scaler is None else self._prepare_scaler_load(scaler)
     commit_optimizer = super()._prepare_load(state_dict)
 
@@ -372,16 +347,4 @@ class AmpOptimWrapper(OptimWrapper):
         self._state = install(self._state)
 
     return commit
-
-  def load_state_dict(self, state_dict: dict) -> None:
-    """Loads the optimizer state and, when present, ``'loss_scaler'`` (PyTorch's format).
-
-    A state dict without ``'loss_scaler'`` loads the optimizer only.
-    Everything is validated before anything changes.
-
-    Raises:
-      RuntimeError: an empty ``'loss_scaler'`` (PyTorch's message).
-      ValueError: see :meth:`OptimWrapper.load_state_dict`; scaler keys.
-    """
-    self._prepare_load(state_dict)()
 

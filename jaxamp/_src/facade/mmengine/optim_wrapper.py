@@ -153,24 +153,11 @@ class OptimWrapper:
   remainder window after :meth:`initialize_count_status`. Calling past
   ``max_counts`` raises a clear error (mmengine divides by zero there).
 
-  **The optimizer protocol** (used by :class:`jaxamp.GradScaler`, which
-  accepts any object exposing it):
-
-  * ``params``: the current parameters (a pytree of arrays; settable).
-  * ``opt_state``: the state of ``optimizer`` (the clipping state and, for
-    :class:`AmpOptimWrapper`, the loss-scale state are kept beside it).
-  * ``grads``: the accumulated gradients, ``None`` after :meth:`zero_grad`;
-    assignable with a pytree of the params' structure, shapes and dtypes.
-  * ``backward(loss_fn, *args, has_aux=False, **kwargs)``: adds the
-    gradients of ``loss_fn(params, ...)`` to ``grads``; returns the loss.
-  * ``apply_gradients(grads=None, *, skip=None)``: one jitted call that
-    clips (recording the norm before clipping), runs the optimizer and
-    applies the updates. With ``skip``, a device boolean scalar, the
-    parameters and ``opt_state`` stay bit-identical where it is true: a
-    selection on the device, no host sync.
-  * ``apply_scaled_gradients(scale)``: divides ``grads`` by a loss scale,
-    checks them and applies them unless one is inf/nan, in one jitted call
-    (what the scalers' ``step`` uses).
+  **The optimizer-holder protocol** that :class:`jaxamp.GradScaler` and
+  ``jaxamp.paddle.GradScaler`` step (:mod:`jaxamp._src.facade.holder`):
+  :attr:`params`, :attr:`opt_state`, :attr:`grads`, :meth:`backward`,
+  :meth:`apply_gradients` (with a device ``skip`` flag) and
+  :meth:`apply_scaled_gradients`.
 
   **Learning rates.** ``get_lr()``, ``get_momentum()`` and ``param_groups``
   read the hyperparameters from ``optax.inject_hyperparams`` states found
@@ -283,14 +270,11 @@ class OptimWrapper:
     # Flax's fp8 state is overwritten by the step, never given to the optimizer (fp8.py).
     return sharding_pins.replicate_scalars(self._tx.init(fp8.split(params)[0]), params)
 
-  def _inner_transformation(self) -> optax.GradientTransformation:
+  def _build_transformation(self) -> optax.GradientTransformation:
     """``chain(clip, optimizer)`` (or ``optimizer``), the optimizer's state marked by type."""
     if self._clip is None:
       return _marked(self._optimizer)
     return optax.chain(self._clip.transformation(), _marked(self._optimizer))
-
-  def _build_transformation(self) -> optax.GradientTransformation:
-    return self._inner_transformation()
 
   def _with_opt(self, state: Any, opt_state: Any) -> Any:
     """``state`` with the optimizer's state replaced by ``opt_state``."""
@@ -329,7 +313,7 @@ class OptimWrapper:
       # scaler.scale(loss_fn): differentiate the scaled loss, return the loss itself (what a
       # PyTorch loop logs, the loss before scaler.scale).
       scale = loss_fn.scale if scale is None else state_lib.multiply_by_scale(loss_fn.scale, scale)
-      loss_fn = functools.partial(_unscaled_call, loss_fn)
+      loss_fn = loss_fn.unscaled
     divisor = None
     if isinstance(loss_fn, DividedLoss):
       # scale_loss(loss_fn): differentiate the divided loss, return the loss itself (what
@@ -553,17 +537,6 @@ class OptimWrapper:
 
   # -- backward / step ------------------------------------------------------------------------
 
-  def _run_backward(self, loss_fn: Any, args: tuple, kwargs: dict, has_aux: bool,
-                    factor: float) -> Any:
-    dynamic, spec = split_call(loss_fn, args, kwargs, has_aux)
-    buffer = self.grads
-    scaling = loss_scale_of(self._state)
-    scale = None if scaling is None else scaling.scale
-    out, grads = self._grad_step(self._params, buffer, dynamic, self._factor(factor), scale, spec)
-    self._grads = grads
-    self._counter.inner_count += 1
-    return out
-
   def backward(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
                **kwargs: Any) -> Any:
     """Adds the gradients of ``loss_fn(params, *args, **kwargs)`` to :attr:`grads`.
@@ -572,9 +545,17 @@ class OptimWrapper:
     ``has_aux=True``, ``(loss, aux)``) as device arrays: nothing waits for
     the device. Array leaves of ``loss_fn``/``args``/``kwargs`` are traced,
     other leaves are static (see the class notes), so repeated calls compile
-    once.
+    once. In :class:`AmpOptimWrapper` the loss is computed in the compute
+    ``dtype`` and multiplied by the current scale before differentiating; the
+    returned loss is the unscaled one (float32 when a ``dtype`` is set).
     """
-    return self._run_backward(loss_fn, args, kwargs, has_aux, 1.0)
+    dynamic, spec = split_call(loss_fn, args, kwargs, has_aux)
+    scaling = loss_scale_of(self._state)
+    scale = None if scaling is None else scaling.scale
+    out, self._grads = self._grad_step(self._params, self.grads, dynamic, self._factor(1.0),
+                                       scale, spec)
+    self._counter.inner_count += 1
+    return out
 
   def apply_gradients(self, grads: Optional[Any] = None, *, skip: Optional[Any] = None) -> None:
     """Clips, runs the optimizer and applies the updates, in one jitted call.
@@ -704,7 +685,12 @@ class OptimWrapper:
     synchronizing gradients while the window is not complete
     (``should_sync()`` false). Yields a function casting the floating leaves
     of a pytree to the compute dtype: the identity here; the ``dtype`` of
-    :class:`AmpOptimWrapper`.
+    :class:`AmpOptimWrapper`. JAX has no global autocast: ``backward`` and
+    ``update_params`` run the loss in the compute dtype themselves; inside the
+    context, user code casts what it computes itself::
+
+      with wrapper.optim_context() as cast:
+        logits = model.apply(cast(params), cast(x))
     """
     cast = self._cast_fn()
     if not self.should_sync() and hasattr(model, "no_sync"):
@@ -903,11 +889,15 @@ class OptimWrapper:
   def load_state_dict(self, state_dict: dict) -> None:
     """Loads a :meth:`state_dict`; validates everything before changing anything.
 
+    :class:`AmpOptimWrapper` also loads ``'loss_scaler'`` (PyTorch's
+    GradScaler format) when present; without it the optimizer only.
+
     Raises:
       ValueError: missing or unexpected keys, another tree structure (a
         different optimizer or parameters), other shapes or dtypes, other
-        parameter groups.
+        parameter groups, other scaler keys.
       TypeError: a non-dict, or leaves that are not arrays.
+      RuntimeError: an empty ``'loss_scaler'`` (PyTorch's message).
     """
     self._prepare_load(state_dict)()
 
@@ -984,6 +974,3 @@ def describe_groups(wrapper: OptimWrapper, groups: Sequence[Tuple[List[str], dic
     spec.names = names
     spec.extras.update(extras)
 
-
-def _unscaled_call(scaled: ScaledLoss, *args: Any, **kwargs: Any) -> Any:
-  return scaled.unscaled(*args, **kwargs)

@@ -167,9 +167,6 @@ class OptimWrapperDict(OptimWrapper):
                               f"{list(self.optim_wrappers)}): those would not be restored")
     commits = []
     for name, sub in state_dict.items():
-      if name not in self.optim_wrappers:
-        raise AssertionKeyError(f"Mismatched `state_dict`! cannot found {name} in "
-                                 "OptimWrapperDict")
       commits.append(self.optim_wrappers[name]._prepare_load(sub))  # noqa: SLF001
     for commit in commits:
       commit()
