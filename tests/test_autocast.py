@@ -277,7 +277,7 @@ def test_loss_scaling_overflow_is_seen_through_autocast():
   f = jaxamp.autocast(_mlp)
   grads = jax.grad(lambda p: jaxamp.scale_loss(f(p, x, labels), opt_state))(params)
   _, new_state = tx.update(grads, opt_state, params)
-  assert float(jaxamp.get_loss_scale(new_state)) < 2.0**40  # the f16 backward overflowed
+  assert float(jaxamp.loss_scale(new_state)) < 2.0**40  # the f16 backward overflowed
 
 
 def test_whole_cast_overflows_where_autocast_does_not():

@@ -17,7 +17,7 @@ LAYERS = [
     ["outside", "policy"],
     ["state", "finite", "autocast", "facade.mmengine.trees"],
     ["selective_update", "clipping", "fp8", "low_precision", "facade.scaled_loss"],
-    ["loss_scale", "accumulation", "microbatch", "train_state", "nnx_optimizer"],
+    ["loss_scale", "accumulation", "microbatch", "train_state", "nnx_optimizer", "deprecated"],
     ["facade.stall", "facade.mmengine.counting", "facade.mmengine.clip",
      "facade.mmengine.jit_args", "facade.stages", "facade.holder", "facade.scaler_state",
      "facade.hyperparam_codecs"],
