@@ -82,36 +82,14 @@ class GradScaler:
   steps are still skipped; with ``enable=False`` nothing is scaled and every
   step is applied.
 
-  Differences from Paddle (whose defects are not copied):
-
-  * The scale never grows to inf: a growth that would overflow float32 is
-    refused (Paddle's float32 product turns 2^127 into inf for good).
-  * The scale never falls below :data:`jaxamp.DEFAULT_MIN_SCALE` (the
-    smallest normal float32); Paddle's has no lower bound.
-  * With several optimizers, ``update()`` (and ``minimize``) counts an
-    iteration as bad when *any* optimizer stepped since the last update
-    found inf/nan; Paddle uses only the last one's flag, so its scale can
-    grow right after an overflow. Each optimizer skips on its own flag
-    (Paddle's ``step`` after ``unscale_`` of another optimizer uses the
-    other's). ``update()`` with no step since the last one repeats the last
-    iteration's flag, as Paddle does (a good iteration before any step).
-  * Products are rounded as float64 arithmetic rounds them (the same as
-    Paddle's float32 products for power-of-two ratios, within one ulp
-    otherwise).
-  * A counter above its threshold (after a setter or a loaded state) acts
-    at the next step; Paddle's equality test never acts again.
-  * No message is printed when the scale decreases (it would need a host
-    sync), the scaler does not disable itself on CPU or under a bfloat16
-    autocast, ``minimize`` returns ``None`` and ignores ``scaled_loss`` (the
-    gradients come from ``opt.backward``), and ``scale`` promotes float16/
-    bfloat16 losses to float32 and also accepts a loss function (see
-    :meth:`scale`).
-  * Setters rebuild the static rule, so the next update compiles once more
-    (cached per rule).
-  * With dynamic scaling, a run whose gradients stay inf or nan at every
-    scale is reported by :meth:`update` and :meth:`minimize`, as
-    :class:`jaxamp.GradScaler` reports it (``on_stall``, ``stall_after``,
-    ``stall_check_every``); Paddle skips silently, forever.
+  What differs from Paddle (whose defects are not copied), and why, is
+  listed in the porting guide (``docs/porting.md``, "From Paddle"): the
+  scale never grows to inf nor falls below :data:`jaxamp.DEFAULT_MIN_SCALE`,
+  an iteration is bad when *any* optimizer stepped since the last update
+  found inf/nan. With dynamic scaling, a run whose gradients stay inf or nan
+  at every scale is reported by :meth:`update` and :meth:`minimize`, as
+  :class:`jaxamp.GradScaler` reports it (``on_stall``, ``stall_after``,
+  ``stall_check_every``); Paddle skips silently, forever.
 
   The defaults are Paddle 3.3.1's ``paddle.amp.GradScaler`` (65536, x2
   after 2000 good steps, x0.5 after every bad one). Paddle's older
@@ -298,11 +276,8 @@ class GradScaler:
     self._apply(optimizer, record)
     record.stage = OptState.STEPPED
     if not self._use_dynamic_loss_scaling:
-      self._reset()
+      self._stages.reset()
     return None
-
-  def _reset(self) -> None:
-    self._stages.reset()
 
   def _update(self) -> None:
     flags = tuple(self._pending) if self._pending else (self._last_found_inf,)
@@ -319,7 +294,7 @@ class GradScaler:
       return None
     if self._use_dynamic_loss_scaling:
       self._update()
-      self._reset()
+      self._stages.reset()
     return None
 
   def minimize(self, optimizer: Any, scaled_loss: Any = None, *args: Any, **kwargs: Any) -> None:
@@ -342,7 +317,7 @@ class GradScaler:
     self._apply(optimizer, self._stages.record(optimizer))
     if self._use_dynamic_loss_scaling:
       self._update()
-    self._reset()
+    self._stages.reset()
     return None
 
   def step_metrics(self) -> dict:

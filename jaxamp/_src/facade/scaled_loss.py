@@ -66,11 +66,11 @@ class ScaledLoss:
   ``has_aux=True`` the function returns ``(loss, aux)`` and only ``loss`` is
   scaled. Losses in float16/bfloat16 are promoted to float32 first.
 
-  The scaler is any object with a ``_scale_array()`` method returning its
-  current scale as a float32 device scalar. If it also has a ``using_scale``
-  context manager, the call runs inside ``using_scale(scale)``, so that code
-  in ``fn`` that asks the scaler for its scale gets the one ``fn`` is scaled
-  by (traced, inside a jitted backward pass).
+  The scaler (a ``GradScaler``) has a ``_scale_array()`` method returning its
+  current scale as a float32 device scalar, and a ``using_scale`` context
+  manager: the call runs inside ``using_scale(scale)``, so that code in
+  ``fn`` that asks the scaler for its scale gets the one ``fn`` is scaled by
+  (traced, inside a jitted backward pass).
   """
 
   __slots__ = ("fn", "scaler", "has_aux", "_scale")
@@ -91,11 +91,8 @@ class ScaledLoss:
 
   def unscaled(self, *args: Any, **kwargs: Any) -> Any:
     """``fn``'s own output (the loss before scaling), computed as :meth:`__call__` computes it."""
-    using = getattr(self.scaler, "using_scale", None)
-    if using is None:
-      return self.fn(*args, **kwargs)
     # Inside, the scaler's scale() and get_scale() use this (traced) scale.
-    with using(self.scale):
+    with self.scaler.using_scale(self.scale):
       return self.fn(*args, **kwargs)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -92,36 +92,16 @@ class GradScaler:
   ``update`` before the first ``scale`` (the state is created by the first
   ``scale`` call, as in PyTorch), float16 gradients, an empty state dict.
 
-  Differences from PyTorch:
-
-  * ``step`` always returns ``None``: finding out whether it skipped would
-    need a host sync (PyTorch's optimizers also return ``None`` without a
-    closure). Read ``get_scale()`` or the holder's own state to log skips.
-  * The scale never falls below :data:`jaxamp.DEFAULT_MIN_SCALE` (the
-    smallest normal float32, far below any scale a real run reaches), where
-    PyTorch's slides to 0.0 and corrupts every later step.
-  * Overflow is checked on the unscaled gradients, so a finite gradient
-    that the division by a scale below 1 turns into inf skips the step.
-  * A tracker above ``growth_interval`` (after ``set_growth_interval`` or a
-    loaded state) grows at the next finite step; PyTorch's equality test
-    never grows again.
-  * The setters validate their value (PyTorch's do not) and build a new
-    static rule, so the first ``update()`` after a setter compiles the update
-    function once more (cached per rule: returning to earlier values costs
-    nothing).
-  * ``scale`` promotes float16/bfloat16 losses to float32 before scaling
-    (65536 is not a finite float16). Scaling an array inside your own jitted
-    function would freeze the scale at trace time: pass the loss function
-    instead (``scaler.scale(loss_fn)``), whose scale is a traced argument.
-  * ``device`` is accepted for signature compatibility; the state lives on
-    JAX's default device and ``'cuda'`` does not disable the scaler.
-  * A run whose gradients stay inf or nan at every scale is reported: after
-    ``stall_after`` consecutive skipped iterations (or a skip at the
-    smallest scale) :meth:`update` warns with :class:`jaxamp.StallWarning`,
-    naming the gradient leaves that held inf or nan. It looks every
-    ``stall_check_every`` updates (one host sync per that many iterations).
-    ``on_stall='raise'`` raises :class:`jaxamp.StalledError` instead,
-    ``'ignore'`` stays silent. PyTorch skips silently, forever.
+  What differs from PyTorch, and why, is listed in the porting guide
+  (``docs/porting.md``, "From PyTorch"): ``step`` returns ``None`` (no host
+  sync), the scale has a floor and is checked on the unscaled gradients, the
+  setters validate. A run whose gradients stay inf or nan at every scale is
+  reported: after ``stall_after`` consecutive skipped iterations (or a skip at
+  the smallest scale) :meth:`update` warns with :class:`jaxamp.StallWarning`,
+  naming the gradient leaves that held inf or nan, looking every
+  ``stall_check_every`` updates (one host sync per that many iterations);
+  ``on_stall='raise'`` raises :class:`jaxamp.StalledError` instead,
+  ``'ignore'`` stays silent. PyTorch skips silently, forever.
 
   Args:
     device: a device-type string, accepted and ignored (see above).

@@ -168,20 +168,9 @@ class OptimWrapper:
   ``get_momentum()`` raise a ``ValueError`` saying how to build it, and
   ``param_groups`` holds one group with only ``'params'``.
 
-  Differences from mmengine, and why:
-
-  * ``backward``/``update_params`` take a loss function (see above) and
-    return the loss as a device array; ``update_params`` returns the loss
-    before the accumulation factor, as the user computed it.
-  * ``update_params`` fuses backward, step and ``zero_grad`` into one jitted
-    call when it is going to step (one dispatch, like a hand-written step).
-  * ``state_dict()`` is ``{'state': <optax state of optimizer>,
-    'param_groups': [...]}`` with device arrays; the parameters are not in
-    it (they are in :attr:`params`, as PyTorch keeps them in the model).
-  * ``clip_grad=dict(..., error_if_nonfinite=True)`` needs one host sync per
-    step to raise (the check must reach Python); without it nothing syncs.
-  * ``last_grad_norm`` holds the norm before clipping (mmengine logs it as
-    ``train/grad_norm``); ``None`` without norm clipping.
+  What differs from mmengine, and why, is listed in the porting guide
+  (``docs/porting.md``, "From mmengine"); ``last_grad_norm`` holds the norm
+  before clipping (mmengine logs it as ``train/grad_norm``).
 
   Args:
     optimizer: an optax ``GradientTransformation``.
@@ -342,20 +331,20 @@ class OptimWrapper:
 
     return objective
 
-  def _grads_and_loss(self, params, dynamic, factor, scale, spec):
+  def _grads_and_loss(self, params, buffer, dynamic, factor, scale, spec):
+    """Traced: the loss and the gradients, added to ``buffer`` when there is one."""
     objective = self._objective(spec, dynamic, factor, scale)
     grads, (loss, aux) = jax.grad(objective, has_aux=True)(params)
-    out = (loss, aux) if spec.has_aux else loss
-    return out, grads
+    if buffer is not None:
+      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
+      grads = fp8.accumulate(buffer, grads, lambda b, g: b + finite.as_stored(g))
+    return ((loss, aux) if spec.has_aux else loss), grads
 
   # The traced implementations of the jitted steps.
 
   def _grad_impl(self, params, buffer, dynamic, factor, scale, spec):
     self._retraces.traced(("backward", buffer is None), spec, dynamic, params)
-    out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
-    if buffer is not None:
-      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
-      grads = fp8.accumulate(buffer, grads, lambda b, g: b + finite.as_stored(g))
+    out, grads = self._grads_and_loss(params, buffer, dynamic, factor, scale, spec)
     return out, sharding_pins.constrain(grads, self._shardings)
 
   def _update(self, params, state, grads, skip):
@@ -420,10 +409,7 @@ class OptimWrapper:
     self._retraces.traced(("update_params", buffer is None), spec, dynamic, params)
     scaling = loss_scale_of(state)
     scale = None if scaling is None else scaling.scale
-    out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
-    if buffer is not None:
-      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
-      grads = fp8.accumulate(buffer, grads, lambda b, g: b + finite.as_stored(g))
+    out, grads = self._grads_and_loss(params, buffer, dynamic, factor, scale, spec)
     new_params, new_state, norm = self._update(params, state, grads, None)
     return out, new_params, new_state, norm
 
