@@ -185,11 +185,8 @@ class GradScaler:
     return self._state
 
   def _scale_array(self) -> jax.Array:
-    """The scale a loss scaled now is multiplied by (a scaled loss call's, inside one)."""
-    in_use = self._scales_in_use.current()
-    if in_use is not None:
-      return in_use
-    return self._state.scale
+    """The scale a loss scaled now is multiplied by: a scaled loss call's, else the state's."""
+    return self._scales_in_use.current_or(lambda: self._state.scale)
 
   def using_scale(self, scale: jax.Array) -> contextlib.AbstractContextManager:
     """Inside, :meth:`scale` uses ``scale`` (the one a scaled loss being called multiplies by)."""

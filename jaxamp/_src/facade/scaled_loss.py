@@ -43,6 +43,10 @@ class ScalesInUse:
     """The innermost call's scale, or ``None`` outside every call."""
     return self._stack[-1] if self._stack else None
 
+  def current_or(self, stored: Callable[[], jax.Array]) -> jax.Array:
+    """The innermost call's scale, or ``stored()`` (the scaler's) outside every call."""
+    return self._stack[-1] if self._stack else stored()
+
   @contextlib.contextmanager
   def using(self, scale: jax.Array) -> Iterator[None]:
     """Inside, :meth:`current` is ``scale``."""
@@ -114,16 +118,9 @@ class ScaledLoss:
     return f"ScaledLoss({self.fn!r}, has_aux={self.has_aux})"
 
 
-def _flatten_scaled_loss(f: ScaledLoss):
-  return (f.scale,), (f.fn, f.scaler, f.has_aux)
-
-
-def _unflatten_scaled_loss(aux, children) -> ScaledLoss:
-  fn, scaler, has_aux = aux
-  return ScaledLoss(fn, scaler, has_aux, children[0])
-
-
-jax.tree_util.register_pytree_node(ScaledLoss, _flatten_scaled_loss, _unflatten_scaled_loss)
+jax.tree_util.register_pytree_node(
+    ScaledLoss, lambda f: ((f.scale,), (f.fn, f.scaler, f.has_aux)),
+    lambda aux, children: ScaledLoss(*aux, children[0]))
 
 
 class DividedLoss:

@@ -12,7 +12,7 @@ after ``stall_after`` consecutive skips.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import jax
 
@@ -76,25 +76,15 @@ class StallMonitor:
     warnings.warn(message, StallWarning, stacklevel=4)
 
 
-def leaf_names_with_nonfinite(tree: Any) -> list:
-  """The paths (``keystr``) of the floating leaves of ``tree`` that hold inf or nan (a host sync)."""
-  paths = []
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if (validation.is_inexact(leaf)
-        and bool(jax.device_get(finite.nonfinite_mask(leaf).any()))):
-      paths.append(jax.tree_util.keystr(path))
-  return paths
-
-
 def nonfinite_grad_leaves(optimizers: list) -> list:
-  """The gradient leaves holding inf or nan in each optimizer's ``grads`` (a host sync).
+  """The paths of the gradient leaves holding inf or nan in each optimizer's ``grads`` (a host sync).
 
   With several optimizers each path is prefixed by the optimizer's position.
   """
   names: list[str] = []
   for i, optimizer in enumerate(optimizers):
-    grads = getattr(optimizer, "grads", None)
-    if grads is not None:
-      prefix = f"optimizer {i}: " if len(optimizers) > 1 else ""
-      names.extend(prefix + name for name in leaf_names_with_nonfinite(grads))
+    prefix = f"optimizer {i}: " if len(optimizers) > 1 else ""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(optimizer, "grads", None)):
+      if validation.is_inexact(leaf) and bool(jax.device_get(finite.nonfinite_mask(leaf).any())):
+        names.append(prefix + jax.tree_util.keystr(path))
   return names

@@ -198,16 +198,8 @@ class GradScaler:
     return self._state
 
   def _scale_array(self) -> jax.Array:
-    """The scale a loss scaled now is multiplied by, as a device scalar.
-
-    Inside a :class:`ScaledLoss` call, the scale that call multiplies by (a
-    traced argument while the backward pass is compiled); elsewhere the
-    state's (created if needed).
-    """
-    in_use = self._scales_in_use.current()
-    if in_use is not None:
-      return in_use
-    return self._lazy_init_scale_growth_tracker().scale
+    """The scale a loss scaled now is multiplied by: a scaled loss call's, else the state's."""
+    return self._scales_in_use.current_or(lambda: self._lazy_init_scale_growth_tracker().scale)
 
   def using_scale(self, scale: jax.Array) -> contextlib.AbstractContextManager:
     """Inside, :meth:`scale` and :meth:`get_scale` use ``scale`` (a :class:`ScaledLoss` call's)."""
@@ -215,10 +207,7 @@ class GradScaler:
 
   def _current_scale(self, what: str) -> jax.Array:
     """The scale in use, or the state's (refused while tracing: it would be frozen)."""
-    in_use = self._scales_in_use.current()
-    if in_use is not None:
-      return in_use
-    if _tracing():
+    if self._scales_in_use.current() is None and _tracing():
       raise RuntimeError(_FROZEN_FIX.format(what=what))
     return self._scale_array()
 

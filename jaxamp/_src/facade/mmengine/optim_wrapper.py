@@ -101,26 +101,14 @@ def has_batch_norm(model: Any) -> bool:
   """Whether ``model`` (any pytree or object) seems to hold BatchNorm layers (mmengine warns)."""
   if model is None:
     return False
-  found = []
-
-  def is_leaf(x):
-    if "batchnorm" in type(x).__name__.lower():
-      found.append(x)
-      return True
-    return False
-
+  is_norm = lambda x: "batchnorm" in type(x).__name__.lower()  # noqa: E731
   try:
-    paths = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_leaf)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_norm)[0]
   except Exception:  # noqa: BLE001 (a model that is no pytree has no BatchNorm we can see)
     return False
-  if found:
-    return True
-  for path, _ in paths:
-    for part in trees.path_parts(path):
-      low = part.lower()
-      if "batchnorm" in low or "batch_norm" in low or low == "batch_stats":
-        return True
-  return False
+  names = [part.lower() for path, _ in leaves for part in trees.path_parts(path)]
+  return (any(is_norm(leaf) for _, leaf in leaves)
+          or any("batchnorm" in n or "batch_norm" in n or n == "batch_stats" for n in names))
 
 
 class OptimWrapper:
@@ -701,12 +689,6 @@ class OptimWrapper:
                                     codecs=hc.generic_codecs(node.hyperparams)) for node in nodes]
     return self._specs
 
-  def _set_group_specs(self, specs: List[pg.GroupSpec], defaults: dict) -> None:
-    if len(specs) != len(hc.inject_nodes(self.opt_state)):
-      raise ValueError("one parameter group per inject_hyperparams state is expected")
-    self._specs = specs
-    self._defaults = dict(defaults)
-
   def _read_hyperparam(self, index: int, key: str) -> Any:
     return pg.read_hyperparam(self._group_specs()[index], hc.inject_nodes(self.opt_state)[index],
                               key)
@@ -947,7 +929,10 @@ def install_group_specs(wrapper: OptimWrapper, specs: List[pg.GroupSpec], defaul
   of the wrapper's optimizer (names, PyTorch codecs, fixed keys, extras),
   ``defaults`` the optimizer's defaults with PyTorch's names.
   """
-  wrapper._set_group_specs(specs, defaults)  # noqa: SLF001 (the wrapper's own module)
+  if len(specs) != len(hc.inject_nodes(wrapper.opt_state)):
+    raise ValueError("one parameter group per inject_hyperparams state is expected")
+  wrapper._specs = specs  # noqa: SLF001 (the wrapper's own module)
+  wrapper._defaults = dict(defaults)  # noqa: SLF001
 
 
 def describe_groups(wrapper: OptimWrapper, groups: Sequence[Tuple[List[str], dict]]) -> None:
