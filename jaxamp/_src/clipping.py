@@ -59,7 +59,7 @@ def total_grad_norm(grads: Any, norm_type: float | str = 2.0) -> jax.Array:
     >>> jaxamp.total_grad_norm({'a': jnp.array([3.0]), 'b': jnp.array([-4.0])}, 'inf')
     Array(4., dtype=float32)
   """
-  order = norm_order(norm_type)
+  order: Any = norm_order(norm_type)  # jax annotates ord as int | str; it takes floats too
   norms = [jnp.linalg.vector_norm(jnp.ravel(g).astype(jnp.float32), ord=order)
            for g in jax.tree.leaves(grads) if validation.is_inexact(g) and jnp.size(g) > 0]
   if not norms:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Union
+from typing import Any, Callable, Union, cast
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ def canonical_dtype(dtype: DTypeLike, name: str = "dtype") -> jnp.dtype:
       raise ValueError(f"{name} must be one of {sorted(_DTYPE_NAMES)} or a floating jnp dtype, "
                        f"got {dtype!r}")
     return jnp.dtype(_DTYPE_NAMES[key])
-  return validation.check_float_dtype(name, dtype)
+  return cast(jnp.dtype, validation.check_float_dtype(name, dtype))
 
 
 def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:

@@ -371,18 +371,13 @@ class GradScaler:
       return
     state = self._check_scale_growth_tracker("update")
     if new_scale is not None:
-      if validation.is_array(new_scale):
-        if np.size(new_scale) != 1:
-          raise NewScaleError(_NEW_SCALE_REASON)
-        value = jnp.asarray(outside.scale("new_scale", new_scale, self._rule.min_scale,
-                                          self._rule.max_scale), jnp.float32)
-      elif isinstance(new_scale, float):
-        value = jnp.asarray(outside.scale("new_scale", new_scale, self._rule.min_scale,
-                                          self._rule.max_scale), jnp.float32)
-      else:
+      if validation.is_array(new_scale) and np.size(new_scale) != 1:
+        raise NewScaleError(_NEW_SCALE_REASON)
+      if not (validation.is_array(new_scale) or isinstance(new_scale, float)):
         raise NewScaleError(_NEW_SCALE_REASON + f" Got {new_scale!r} of type "
                             f"{type(new_scale).__name__}.")
-      self._state = state._replace(scale=value)
+      value = outside.scale("new_scale", new_scale, self._rule.min_scale, self._rule.max_scale)
+      self._state = state._replace(scale=jnp.asarray(value, jnp.float32))
     else:
       found_infs = self._stages.found_infs()
       if not found_infs:

@@ -84,6 +84,7 @@ def _per_leaf(fn: Callable[..., tuple], n_out: int, grads: Any, *trees: Any) -> 
 
   Returns its ``n_out`` outputs, each as a tree shaped like ``grads``.
   """
+  treedef: Any
   g_leaves, treedef = jax.tree.flatten(grads)
   columns = [[None] * len(g_leaves) if t is None else treedef.flatten_up_to(t) for t in trees]
   outs = [fn(*leaves) for leaves in zip(g_leaves, *columns)]

@@ -186,10 +186,8 @@ class AmpOptimWrapper(OptimWrapper):
   def _parse_dtype(self, dtype: Any) -> Optional[jnp.dtype]:
     if dtype is None:
       return None
-    if isinstance(dtype, str):
-      if dtype not in self.valid_dtypes:
-        raise AssertionValueError(f"dtype should be any of {self.valid_dtypes}, got {dtype}")
-      return policy_lib.canonical_dtype(dtype)
+    if isinstance(dtype, str) and dtype not in self.valid_dtypes:
+      raise AssertionValueError(f"dtype should be any of {self.valid_dtypes}, got {dtype}")
     try:
       return policy_lib.canonical_dtype(dtype)
     except (TypeError, ValueError):
