@@ -49,6 +49,20 @@ class GroupOwner(Protocol):
   def _write_hyperparam(self, index: int, key: str, value: Any) -> None: ...
 
 
+# PyTorch's hyperparameters that mmengine's parameter schedulers write: stored as a plain entry, a
+# written value would change nothing, silently.
+_SCHEDULED = ("lr", "momentum", "betas", "weight_decay", "eps", "dampening", "alpha", "lr_decay")
+
+
+def _refuse_unheld(where: str, key: str) -> None:
+  """Raises when ``key`` is a hyperparameter the group's optax state does not hold."""
+  if key in _SCHEDULED:
+    raise ValueError(
+        f"{where}: this optimizer's state holds no injected {key!r}, so the value would change "
+        "nothing. Build the optimizer as, e.g., optax.inject_hyperparams(optax.sgd)("
+        "learning_rate=0.1), or with jaxamp.build_optim_wrapper, to make it settable.")
+
+
 def _named(where: str, err: Exception) -> Exception:
   """``err`` of the same type, its message prefixed with where the value was written."""
   return type(err)(f"{where}: {err}")
@@ -96,6 +110,7 @@ class ParamGroup(MutableMapping):
         raise ValueError(f"{key!r} selects code and is fixed at construction "
                          f"(it is {spec.fixed[key]!r}); build a new wrapper to change it.")
     else:
+      _refuse_unheld(f"param_groups[{self._index}][{key!r}]", key)
       spec.extras[key] = value
 
   def __delitem__(self, key: str) -> None:
@@ -179,6 +194,7 @@ def load_groups(groups: Any, specs: List[GroupSpec], opt_state: Any
                            f"was built with {spec.fixed[key]!r}: a state of a different "
                            "optimizer")
       else:
+        _refuse_unheld(f"state_dict['param_groups'][{index}][{key!r}]", key)
         group_extras[key] = value
     extras.append(group_extras)
 
