@@ -1,9 +1,7 @@
 """``jaxamp.paddle.GradScaler``: Paddle's ``paddle.amp.GradScaler`` for JAX training loops.
 
-It steps the same optimizer holders as :class:`jaxamp.GradScaler` and shares
-its state (:mod:`.scaler_state`), the stages of each optimizer (:mod:`.stages`)
-and the unscaling of a holder's gradients (:mod:`.holder`), with Paddle's hysteresis
-(``decr_every_n_nan_or_inf``) as ``ScaleRule(hysteresis=...)``.
+It shares the holders (:mod:`.holder`), state (:mod:`.scaler_state`) and stages (:mod:`.stages`)
+of :class:`jaxamp.GradScaler`, with Paddle's hysteresis as ``ScaleRule(hysteresis=...)``.
 """
 
 from __future__ import annotations

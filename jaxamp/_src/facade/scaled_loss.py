@@ -60,15 +60,10 @@ class ScalesInUse:
 class ScaledLoss:
   """A loss function whose output is multiplied by a scaler's current scale.
 
-  Returned by ``scaler.scale(loss_fn)``. It is a pytree: its only child is
-  the scale (a float32 scalar, read from the scaler when the pytree is
-  flattened), its static part is ``(fn, scaler, has_aux)``. Passed to a jitted
-  function, it therefore brings the current scale in as a traced argument and
-  compares equal across iterations: a loop compiles once.
-
-  Called outside a trace it reads the scaler's scale at call time. With
-  ``has_aux=True`` the function returns ``(loss, aux)`` and only ``loss`` is
-  scaled. Losses in float16/bfloat16 are promoted to float32 first.
+  Returned by ``scaler.scale(loss_fn)``: a pytree (see the module notes)
+  whose child is the scale, read from the scaler when it is flattened (or
+  called outside a trace), and whose static part is ``(fn, scaler,
+  has_aux)``. With ``has_aux=True`` only the loss of ``(loss, aux)`` is scaled.
 
   The scaler (a ``GradScaler``) has a ``_scale_array()`` method returning its
   current scale as a float32 device scalar, and a ``using_scale`` context

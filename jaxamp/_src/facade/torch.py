@@ -1,10 +1,7 @@
-"""``jaxamp.GradScaler``: PyTorch's ``torch.amp.GradScaler`` for JAX training loops.
+"""``jaxamp.GradScaler``: PyTorch's ``torch.amp.GradScaler``; ``clip_grad_norm_`` on a holder.
 
-The scaler steps an *optimizer holder*: ``jaxamp.OptimWrapper`` or any object
-with the protocol described in :mod:`jaxamp._src.facade.holder`. Its state
-(:mod:`.scaler_state`) and the stages of each optimizer (:mod:`.stages`) are
-shared with the Paddle facade. PyTorch's ``scaler.scale(loss).backward()`` is
-spelled ``opt.backward(scaler.scale(loss_fn), batch)``.
+It steps optimizer holders (:mod:`.holder`) and shares its state (:mod:`.scaler_state`) and the
+stages of each optimizer (:mod:`.stages`) with the Paddle facade.
 """
 
 from __future__ import annotations

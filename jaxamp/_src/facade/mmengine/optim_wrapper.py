@@ -1,13 +1,8 @@
 """mmengine's ``OptimWrapper`` for optax: accumulation, clipping, one call per iteration.
 
-The wrapper is thin: it holds a pytree (parameters, the optax state,
-accumulated gradients) and Python counters (:mod:`.counting`), and calls
-jitted functions built from the functional core
-(:func:`jaxamp.clip_grad_norm`, optax; :func:`jaxamp.dynamic_loss_scale` in
-:class:`~jaxamp.AmpOptimWrapper`). Its rooms: the static/dynamic split of a
-loss-function call (:mod:`.jit_args`), ``clip_grad`` (:mod:`.clip`),
-hyperparameters and parameter groups (:mod:`.hyperparams`), sharding pins
-(:mod:`.sharding_pins`), pytree names and checks (:mod:`.trees`).
+The wrapper holds a pytree (parameters, the optax state, accumulated gradients) and Python
+counters (:mod:`.counting`), and steps them through jitted functions built from the functional
+core; its other rooms are the modules beside this one.
 """
 
 from __future__ import annotations
