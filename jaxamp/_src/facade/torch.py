@@ -160,7 +160,7 @@ class GradScaler:
     self._monitor = stall.StallMonitor(on_stall, stall_check_every)
     if self._enabled:
       growth, backoff = scaler_state.check_factors(growth_factor=growth_factor,
-                                                backoff_factor=backoff_factor)
+                                                   backoff_factor=backoff_factor)
       if growth <= 1.0:
         raise AssertionValueError("The growth factor must be > 1.0.")
       if backoff >= 1.0:
