@@ -226,8 +226,8 @@ def _huge_factors(scale: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def _normal_factors(scale: jax.Array) -> tuple[jax.Array, ...]:
-  return (jnp.float32(1.0) / scale, jnp.zeros([], jnp.bool_), jnp.float32(1.0),
-          jnp.float32(1.0) / scale)
+  return (jnp.float32(1.0) / scale, jnp.zeros([], jnp.bool_), jnp.float32(1.0) / scale,
+          jnp.float32(1.0))
 
 
 class Unscaling(NamedTuple):
@@ -237,8 +237,9 @@ class Unscaling(NamedTuple):
     reciprocal: ``float32(1 / scale)``.
     huge: whether the scale is 2^126 or more, where that reciprocal is a
       denormal that XLA flushes to zero on CPU.
-    first: a normal float32 factor; ``first * second == float32(1 / scale)``.
-    second: the other factor.
+    first: the first factor: ``reciprocal`` below 2^126, ``2^-64`` above.
+    second: the second: ``1.0`` below 2^126, ``2^64 / scale`` above;
+      ``x * first * second`` is :func:`unscale`'s product.
   """
 
   reciprocal: jax.Array
@@ -265,12 +266,13 @@ def unscale(tree: Any, scale: jax.Array) -> Any:
   scale is 2^126 or more, that reciprocal is a denormal, which XLA flushes to
   zero on CPU; then the multiplication is split into two normal factors
   (``2^-64`` and ``2^64 / scale``), so the result is the same as PyTorch's
-  instead of zero. The product reaches the optimizer through a selection,
-  which XLA cannot fuse with the optimizer's next addition into an FMA: the
-  optimizer then rounds as it would on the unscaled gradients themselves, so
-  that for a power-of-two scale (where the product is exact) an applied step
-  of sgd with momentum is bit-identical to plain optax's. Each leaf is
-  computed in float32 and cast back to its own dtype.
+  instead of zero. Below 2^126 the product is ``x * reciprocal * 1.0``: the
+  last product is exact, so where XLA fuses it with the optimizer's next
+  addition into an FMA, the optimizer still rounds as it would on the
+  unscaled gradients themselves, and for a power-of-two scale (where the
+  product is exact) an applied step of sgd with momentum is bit-identical
+  to plain optax's. Each leaf is computed in float32 and cast back to its
+  own dtype.
   """
   unscaling = unscale_factors(scale)
   return jax.tree.map(lambda g: unscale_leaf(g, unscaling), tree)
@@ -286,11 +288,13 @@ def unscale_leaf(g: Any, unscaling: Unscaling) -> Any:
   # Half precision is computed in float32, float64 (with x64) in float64.
   compute = g.dtype if g.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
   x = g.astype(compute)
-  split = x * unscaling.first.astype(compute) * unscaling.second.astype(compute)
-  # A selection, also where both give the same value: it leaves no multiply for XLA to fuse
-  # with the optimizer's next addition into an FMA, so that the optimizer rounds as it would
-  # on the unscaled gradients themselves (bit-identical to plain optax for power-of-two scales).
-  return jnp.where(unscaling.huge, split, x * unscaling.reciprocal.astype(compute)).astype(g.dtype)
+  # Two products, both factors computed once per step: below 2^126 the second factor is 1.0,
+  # so the result is ``x * reciprocal`` rounded once (a product by 1.0 is exact), and an FMA
+  # that XLA may form of the last product and the optimizer's next addition reads that same
+  # exact product: the optimizer rounds as it would on the unscaled gradients themselves
+  # (bit-identical to plain optax for power-of-two scales). One expression for every scale
+  # (rather than a selection between two) keeps the elementwise kernels that read it small.
+  return (x * unscaling.first.astype(compute) * unscaling.second.astype(compute)).astype(g.dtype)
 
 
 class Check(NamedTuple):
@@ -314,10 +318,32 @@ def _quick_flags(quick: jax.Array, grads: Any, scale: jax.Array) -> tuple[jax.Ar
   return quick, jnp.broadcast_to(jnp.logical_not(quick), (len(float_leaves(grads)),))
 
 
+def _unscaled_nonfinite(x: jax.Array, unscaling: Unscaling) -> jax.Array:
+  """Whether ``unscale_leaf(x, unscaling)`` holds an inf or a nan; exact for every scale.
+
+  Leaves of 32 bits or more: the sum of ``|x * reciprocal| * 2^-(maxexp / 2)``.
+  Below 2^126, ``x * reciprocal`` is the unscaled value itself; above, the
+  reciprocal is at most 1 (or flushed to 0), and the unscaled value is
+  finite exactly where ``x`` is, as is ``x * reciprocal``. ``abs`` reads the
+  rounded product (rule 1 of the module docstring). Each term is then at
+  most ``2^(maxexp / 2)``, so no sum of fewer than ``2^(maxexp / 2 - 1)``
+  finite terms overflows, in any order: the sum is finite exactly when every
+  element is. A sum is a library reduction that XLA:CPU compiles quickly, where a
+  bit mask is compiled element code. Other leaves are read on the bits of the
+  unscaled value (rule 2).
+  """
+  if x.dtype.itemsize >= 4 and not jnp.issubdtype(x.dtype, jnp.complexfloating):
+    shrink = np.asarray(2.0**-(jnp.finfo(x.dtype).maxexp // 2), x.dtype)
+    product = x * unscaling.reciprocal.astype(x.dtype)
+    return jnp.logical_not(jnp.isfinite(jnp.sum(jnp.abs(product) * shrink)))
+  return jnp.any(nonfinite_mask(unscale_leaf(x, unscaling)))
+
+
 def _exact_flags(quick: jax.Array, grads: Any, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   del quick
-  leaves = float_leaves(unscale(grads, scale))
-  flags = jnp.stack([jnp.any(nonfinite_mask(x)) for x in leaves]) if leaves else jnp.zeros(
+  unscaling = unscale_factors(scale)
+  leaves = float_leaves(grads)
+  flags = jnp.stack([_unscaled_nonfinite(x, unscaling) for x in leaves]) if leaves else jnp.zeros(
       [0], jnp.bool_)
   return jnp.logical_not(jnp.any(flags)), flags
 
