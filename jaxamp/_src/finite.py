@@ -120,13 +120,36 @@ def _probably_finite(leaves: list) -> jax.Array:
   exact check then corrects; it reads each element once through ``abs`` and
   costs about a plain sum. Half-precision leaves are checked on their bits.
   """
-  checks = []
-  for x in leaves:
-    if x.dtype.itemsize >= 4 and not jnp.issubdtype(x.dtype, jnp.complexfloating):
-      checks.append(jnp.isfinite(jnp.sum(jnp.abs(x))))
-    else:
-      checks.append(jnp.logical_not(jnp.any(nonfinite_mask(x))))
-  return jnp.stack(checks).all() if checks else jnp.array(True)
+  return jnp.logical_not(jnp.any(_nonfinite_terms(_quick_terms(leaves))))
+
+
+def _quick_terms(leaves: list) -> list:
+  """:func:`_probably_finite`'s terms, for :func:`_nonfinite_terms`."""
+  return [jnp.sum(jnp.abs(x))
+          if x.dtype.itemsize >= 4 and not jnp.issubdtype(x.dtype, jnp.complexfloating)
+          else jnp.any(nonfinite_mask(x)) for x in leaves]
+
+
+def _nonfinite_terms(terms: list) -> jax.Array:
+  """A bool vector: for each term, a float sum that is not finite, or a bool flag that is True.
+
+  The sums of one dtype are stacked and tested together, so that XLA makes one
+  kernel of the test rather than one per leaf.
+  """
+  if not terms:
+    return jnp.zeros([0], jnp.bool_)
+  groups: dict = {}
+  for i, t in enumerate(terms):
+    groups.setdefault(jnp.result_type(t), []).append(i)
+  pieces, order = [], []
+  for dtype, members in groups.items():
+    stacked = jnp.stack([terms[i] for i in members])
+    pieces.append(stacked if dtype == jnp.bool_ else jnp.logical_not(jnp.isfinite(stacked)))
+    order.extend(members)
+  flags = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+  if order != sorted(order):
+    flags = flags[np.argsort(np.asarray(order))]
+  return flags
 
 
 def _quick_answer(quick: jax.Array, *args: Any) -> jax.Array:
@@ -226,8 +249,8 @@ def _huge_factors(scale: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def _normal_factors(scale: jax.Array) -> tuple[jax.Array, ...]:
-  return (jnp.float32(1.0) / scale, jnp.zeros([], jnp.bool_), jnp.float32(1.0) / scale,
-          jnp.float32(1.0))
+  return (jnp.float32(1.0) / scale, jnp.zeros([], jnp.bool_), jnp.float32(1.0),
+          jnp.float32(1.0) / scale)
 
 
 class Unscaling(NamedTuple):
@@ -237,9 +260,8 @@ class Unscaling(NamedTuple):
     reciprocal: ``float32(1 / scale)``.
     huge: whether the scale is 2^126 or more, where that reciprocal is a
       denormal that XLA flushes to zero on CPU.
-    first: the first factor: ``reciprocal`` below 2^126, ``2^-64`` above.
-    second: the second: ``1.0`` below 2^126, ``2^64 / scale`` above;
-      ``x * first * second`` is :func:`unscale`'s product.
+    first: a normal float32 factor; ``first * second == float32(1 / scale)``.
+    second: the other factor.
   """
 
   reciprocal: jax.Array
@@ -266,13 +288,12 @@ def unscale(tree: Any, scale: jax.Array) -> Any:
   scale is 2^126 or more, that reciprocal is a denormal, which XLA flushes to
   zero on CPU; then the multiplication is split into two normal factors
   (``2^-64`` and ``2^64 / scale``), so the result is the same as PyTorch's
-  instead of zero. Below 2^126 the product is ``x * reciprocal * 1.0``: the
-  last product is exact, so where XLA fuses it with the optimizer's next
-  addition into an FMA, the optimizer still rounds as it would on the
-  unscaled gradients themselves, and for a power-of-two scale (where the
-  product is exact) an applied step of sgd with momentum is bit-identical
-  to plain optax's. Each leaf is computed in float32 and cast back to its
-  own dtype.
+  instead of zero. The product reaches the optimizer through a selection,
+  which XLA cannot fuse with the optimizer's next addition into an FMA: the
+  optimizer then rounds as it would on the unscaled gradients themselves, so
+  that for a power-of-two scale (where the product is exact) an applied step
+  of sgd with momentum is bit-identical to plain optax's. Each leaf is
+  computed in float32 and cast back to its own dtype.
   """
   unscaling = unscale_factors(scale)
   return jax.tree.map(lambda g: unscale_leaf(g, unscaling), tree)
@@ -288,13 +309,11 @@ def unscale_leaf(g: Any, unscaling: Unscaling) -> Any:
   # Half precision is computed in float32, float64 (with x64) in float64.
   compute = g.dtype if g.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
   x = g.astype(compute)
-  # Two products, both factors computed once per step: below 2^126 the second factor is 1.0,
-  # so the result is ``x * reciprocal`` rounded once (a product by 1.0 is exact), and an FMA
-  # that XLA may form of the last product and the optimizer's next addition reads that same
-  # exact product: the optimizer rounds as it would on the unscaled gradients themselves
-  # (bit-identical to plain optax for power-of-two scales). One expression for every scale
-  # (rather than a selection between two) keeps the elementwise kernels that read it small.
-  return (x * unscaling.first.astype(compute) * unscaling.second.astype(compute)).astype(g.dtype)
+  split = x * unscaling.first.astype(compute) * unscaling.second.astype(compute)
+  # A selection, also where both give the same value: it leaves no multiply for XLA to fuse
+  # with the optimizer's next addition into an FMA, so that the optimizer rounds as it would
+  # on the unscaled gradients themselves (bit-identical to plain optax for power-of-two scales).
+  return jnp.where(unscaling.huge, split, x * unscaling.reciprocal.astype(compute)).astype(g.dtype)
 
 
 class Check(NamedTuple):
@@ -318,10 +337,12 @@ def _quick_flags(quick: jax.Array, grads: Any, scale: jax.Array) -> tuple[jax.Ar
   return quick, jnp.broadcast_to(jnp.logical_not(quick), (len(float_leaves(grads)),))
 
 
-def _unscaled_nonfinite(x: jax.Array, unscaling: Unscaling) -> jax.Array:
-  """Whether ``unscale_leaf(x, unscaling)`` holds an inf or a nan; exact for every scale.
+def _unscaled_term(x: jax.Array, unscaling: Unscaling) -> jax.Array:
+  """Whether ``unscale_leaf(x, unscaling)`` holds an inf or a nan, for :func:`_nonfinite_terms`;
+  exact for every scale.
 
-  Leaves of 32 bits or more: the sum of ``|x * reciprocal| * 2^-(maxexp / 2)``.
+  Leaves of 32 bits or more: the sum of ``|x * reciprocal| * 2^-(maxexp / 2)``,
+  not finite exactly when the leaf is not.
   Below 2^126, ``x * reciprocal`` is the unscaled value itself; above, the
   reciprocal is at most 1 (or flushed to 0), and the unscaled value is
   finite exactly where ``x`` is, as is ``x * reciprocal``. ``abs`` reads the
@@ -335,7 +356,7 @@ def _unscaled_nonfinite(x: jax.Array, unscaling: Unscaling) -> jax.Array:
   if x.dtype.itemsize >= 4 and not jnp.issubdtype(x.dtype, jnp.complexfloating):
     shrink = np.asarray(2.0**-(jnp.finfo(x.dtype).maxexp // 2), x.dtype)
     product = x * unscaling.reciprocal.astype(x.dtype)
-    return jnp.logical_not(jnp.isfinite(jnp.sum(jnp.abs(product) * shrink)))
+    return jnp.sum(jnp.abs(product) * shrink)
   return jnp.any(nonfinite_mask(unscale_leaf(x, unscaling)))
 
 
@@ -343,8 +364,7 @@ def _exact_flags(quick: jax.Array, grads: Any, scale: jax.Array) -> tuple[jax.Ar
   del quick
   unscaling = unscale_factors(scale)
   leaves = float_leaves(grads)
-  flags = jnp.stack([_unscaled_nonfinite(x, unscaling) for x in leaves]) if leaves else jnp.zeros(
-      [0], jnp.bool_)
+  flags = _nonfinite_terms([_unscaled_term(x, unscaling) for x in leaves])
   return jnp.logical_not(jnp.any(flags)), flags
 
 
@@ -386,11 +406,10 @@ def unscaled_check(grads: Any, scale: jax.Array, axis_name: AxisName = None,
   axes = sharding.finite_reduction_axes(grads, axis_name)
   leaves = float_leaves(grads)
   witnesses = [None] * len(leaves) if witnesses is None else witnesses
-  checks = [jnp.isfinite(w) for w in witnesses if w is not None]
-  checks.append(_probably_finite([x for x, w in zip(leaves, witnesses) if w is None]))
+  terms = [w for w in witnesses if w is not None]
+  terms += _quick_terms([x for x, w in zip(leaves, witnesses) if w is None])
   # A NaN scale fails ``scale >= 1`` and takes the exact path.
-  checks.append(scale >= 1.0)
-  quick = jnp.stack(checks).all()
+  quick = jnp.logical_not(jnp.any(_nonfinite_terms(terms))) & (scale >= 1.0)
 
   # The decision comes out of the conditional, so that XLA computes it once rather than in
   # every elementwise kernel that selects with it. Its exact branch, which a good step skips,
