@@ -25,7 +25,10 @@ three rules:
    never negative cannot cancel, so any order of the sum is inf or nan when an
    element is, and a finite sum proves every element finite. An overflowing
    sum of finite values only sends the decision to the exact check. The exact
-   check reduces booleans, and the data-parallel reduction adds integers.
+   check sums ``|x| * 2^-(maxexp / 2)`` (``2^-64`` for float32), whose terms
+   are too small for any sum of them to overflow, so that its sum is finite
+   exactly when every element is; it reduces booleans for half-precision
+   leaves, and the data-parallel reduction adds integers.
 
 One more property keeps the check and the update on the same values: each
 loss-scaling transformation passes the raw gradients through
