@@ -162,10 +162,9 @@ def test_as_stored_rounds_what_an_accumulator_adds():
 
 
 def test_the_exact_check_is_exact_for_sums_that_would_overflow_and_flags_each_leaf():
-  # Below scale 1 the exact check runs: each float32 leaf's sum of |g / scale|, scaled down so
-  # that no sum of finite values overflows. 4096 elements that unscale to the largest float32
-  # are finite; one element that unscales past it is not, and only its leaf is flagged
-  # (a bfloat16 leaf between them is read on its bits).
+  # Below scale 1 the exact check runs. 4096 elements that unscale to the largest float32 are
+  # finite (a check that summed them would overflow); one element that unscales past it is not,
+  # and only its leaf is flagged, among leaves of two dtypes.
   half_max = np.float32(F32_MAX / 2)
 
   @jax.jit

@@ -25,10 +25,7 @@ three rules:
    never negative cannot cancel, so any order of the sum is inf or nan when an
    element is, and a finite sum proves every element finite. An overflowing
    sum of finite values only sends the decision to the exact check. The exact
-   check sums ``|x| * 2^-(maxexp / 2)`` (``2^-64`` for float32), whose terms
-   are too small for any sum of them to overflow, so that its sum is finite
-   exactly when every element is; it reduces booleans for half-precision
-   leaves, and the data-parallel reduction adds integers.
+   check reduces booleans, and the data-parallel reduction adds integers.
 
 One more property keeps the check and the update on the same values: each
 loss-scaling transformation passes the raw gradients through
@@ -123,36 +120,13 @@ def _probably_finite(leaves: list) -> jax.Array:
   exact check then corrects; it reads each element once through ``abs`` and
   costs about a plain sum. Half-precision leaves are checked on their bits.
   """
-  return jnp.logical_not(jnp.any(_nonfinite_terms(_quick_terms(leaves))))
-
-
-def _quick_terms(leaves: list) -> list:
-  """:func:`_probably_finite`'s terms, for :func:`_nonfinite_terms`."""
-  return [jnp.sum(jnp.abs(x))
-          if x.dtype.itemsize >= 4 and not jnp.issubdtype(x.dtype, jnp.complexfloating)
-          else jnp.any(nonfinite_mask(x)) for x in leaves]
-
-
-def _nonfinite_terms(terms: list) -> jax.Array:
-  """A bool vector: for each term, a float sum that is not finite, or a bool flag that is True.
-
-  The sums of one dtype are stacked and tested together, so that XLA makes one
-  kernel of the test rather than one per leaf.
-  """
-  if not terms:
-    return jnp.zeros([0], jnp.bool_)
-  groups: dict = {}
-  for i, t in enumerate(terms):
-    groups.setdefault(jnp.result_type(t), []).append(i)
-  pieces, order = [], []
-  for dtype, members in groups.items():
-    stacked = jnp.stack([terms[i] for i in members])
-    pieces.append(stacked if dtype == jnp.bool_ else jnp.logical_not(jnp.isfinite(stacked)))
-    order.extend(members)
-  flags = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-  if order != sorted(order):
-    flags = flags[np.argsort(np.asarray(order))]
-  return flags
+  checks = []
+  for x in leaves:
+    if x.dtype.itemsize >= 4 and not jnp.issubdtype(x.dtype, jnp.complexfloating):
+      checks.append(jnp.isfinite(jnp.sum(jnp.abs(x))))
+    else:
+      checks.append(jnp.logical_not(jnp.any(nonfinite_mask(x))))
+  return jnp.stack(checks).all() if checks else jnp.array(True)
 
 
 def _quick_answer(quick: jax.Array, *args: Any) -> jax.Array:
@@ -340,34 +314,11 @@ def _quick_flags(quick: jax.Array, grads: Any, scale: jax.Array) -> tuple[jax.Ar
   return quick, jnp.broadcast_to(jnp.logical_not(quick), (len(float_leaves(grads)),))
 
 
-def _unscaled_term(x: jax.Array, unscaling: Unscaling) -> jax.Array:
-  """Whether ``unscale_leaf(x, unscaling)`` holds an inf or a nan, for :func:`_nonfinite_terms`;
-  exact for every scale.
-
-  Leaves of 32 bits or more: the sum of ``|x * reciprocal| * 2^-(maxexp / 2)``,
-  not finite exactly when the leaf is not.
-  Below 2^126, ``x * reciprocal`` is the unscaled value itself; above, the
-  reciprocal is at most 1 (or flushed to 0), and the unscaled value is
-  finite exactly where ``x`` is, as is ``x * reciprocal``. ``abs`` reads the
-  rounded product (rule 1 of the module docstring). Each term is then at
-  most ``2^(maxexp / 2)``, so no sum of fewer than ``2^(maxexp / 2 - 1)``
-  finite terms overflows, in any order: the sum is finite exactly when every
-  element is. A sum is a library reduction that XLA:CPU compiles quickly, where a
-  bit mask is compiled element code. Other leaves are read on the bits of the
-  unscaled value (rule 2).
-  """
-  if x.dtype.itemsize >= 4 and not jnp.issubdtype(x.dtype, jnp.complexfloating):
-    shrink = np.asarray(2.0**-(jnp.finfo(x.dtype).maxexp // 2), x.dtype)
-    product = x * unscaling.reciprocal.astype(x.dtype)
-    return jnp.sum(jnp.abs(product) * shrink)
-  return jnp.any(nonfinite_mask(unscale_leaf(x, unscaling)))
-
-
 def _exact_flags(quick: jax.Array, grads: Any, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   del quick
-  unscaling = unscale_factors(scale)
-  leaves = float_leaves(grads)
-  flags = _nonfinite_terms([_unscaled_term(x, unscaling) for x in leaves])
+  leaves = float_leaves(unscale(grads, scale))
+  flags = jnp.stack([jnp.any(nonfinite_mask(x)) for x in leaves]) if leaves else jnp.zeros(
+      [0], jnp.bool_)
   return jnp.logical_not(jnp.any(flags)), flags
 
 
@@ -409,10 +360,11 @@ def unscaled_check(grads: Any, scale: jax.Array, axis_name: AxisName = None,
   axes = sharding.finite_reduction_axes(grads, axis_name)
   leaves = float_leaves(grads)
   witnesses = [None] * len(leaves) if witnesses is None else witnesses
-  terms = [w for w in witnesses if w is not None]
-  terms += _quick_terms([x for x, w in zip(leaves, witnesses) if w is None])
+  checks = [jnp.isfinite(w) for w in witnesses if w is not None]
+  checks.append(_probably_finite([x for x, w in zip(leaves, witnesses) if w is None]))
   # A NaN scale fails ``scale >= 1`` and takes the exact path.
-  quick = jnp.logical_not(jnp.any(_nonfinite_terms(terms))) & (scale >= 1.0)
+  checks.append(scale >= 1.0)
+  quick = jnp.stack(checks).all()
 
   # The decision comes out of the conditional, so that XLA computes it once rather than in
   # every elementwise kernel that selects with it. Its exact branch, which a good step skips,
