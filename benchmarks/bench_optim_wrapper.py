@@ -69,7 +69,7 @@ def main() -> None:
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, x, y):
-      scale = jaxamp.get_loss_scale(opt_state)
+      scale = jaxamp.loss_scale(opt_state)
       loss, grads = jax.value_and_grad(lambda p: mp_loss(p, x, y) * scale)(params)
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, loss / scale

@@ -271,6 +271,10 @@ def make_runner(make_variant, inner, dtype, params, tokens) -> Callable[[], None
   jitted = jax.jit(step, donate_argnums=(0, 1))
   box = {"params": jax.tree.map(jnp.copy, params)}
   box["state"] = jax.jit(init)(box["params"])
+  if isinstance(box["state"], jaxamp.TrainState):
+    # The state holds the params and the step returns None for them: None from the first call on,
+    # so that the step compiles once.
+    box["params"] = None
 
   def run():
     box["params"], box["state"] = jitted(box["params"], box["state"], tokens)

@@ -35,9 +35,10 @@ from jaxamp._src.state import ClipGradNormState
 from jaxamp._src.state import LossScaleState
 from jaxamp._src.state import LowPrecisionState
 from jaxamp._src.state import get_accumulation_state
-from jaxamp._src.state import get_loss_scale
+from jaxamp._src.deprecated import get_loss_scale
+from jaxamp._src.deprecated import has_updated
 from jaxamp._src.state import get_loss_scale_state
-from jaxamp._src.state import has_updated
+from jaxamp._src.state import loss_scale
 from jaxamp._src.state import keep_if_skipped
 from jaxamp._src.state import scale_loss
 from jaxamp._src.state import set_loss_scale
@@ -86,6 +87,7 @@ __all__ = (
     "low_precision_params",
     "has_updated",
     "keep_if_skipped",
+    "loss_scale",
     "microbatch_value_and_grad",
     "mixed_precision",
     "overwrite_with_gradient",

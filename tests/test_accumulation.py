@@ -66,10 +66,10 @@ def test_window_equals_one_step_on_mean(make_inner, average):
     ref_params = optax.apply_updates(ref_params, updates)
     for i in range(w * k, (w + 1) * k - 1):  # non-closing micro-steps change nothing
       params, state, updates = out[i]
-      assert not bool(jaxamp.has_updated(state))
+      assert not bool(jaxamp.get_accumulation_state(state).updated)
       assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
     params, state, _ = out[(w + 1) * k - 1]
-    assert bool(jaxamp.has_updated(state))
+    assert bool(jaxamp.get_accumulation_state(state).updated)
     assert int(state.gradient_step) == w + 1
     assert int(state.mini_step) == 0
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-7),
@@ -86,7 +86,7 @@ def test_every_k_one_is_the_inner_transformation():
     updates, state = tx.update(g, state, PARAMS)
     ref_updates, ref_state = ref_tx.update(g, ref_state, PARAMS)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL), updates, ref_updates)
-    assert bool(jaxamp.has_updated(state))
+    assert bool(jaxamp.get_accumulation_state(state).updated)
   assert int(state.gradient_step) == 3
 
 
@@ -291,7 +291,7 @@ def scaled_trajectory():
     def body(carry, xs):
       params, state = carry
       g, is_bad = xs
-      scale = jaxamp.get_loss_scale(state)
+      scale = jaxamp.loss_scale(state)
       # The gradient of scale_loss(loss, state): scale * g, inf when the micro-batch overflows.
       scaled = jax.tree.map(lambda x: jnp.where(is_bad, jnp.inf, x * scale), g)
       updates, state = tx.update(scaled, state, params)
@@ -325,11 +325,11 @@ def test_composition_matches_pytorch_recipe(scaled_trajectory, bad):
 def test_loss_scale_helpers_reach_through_the_wrapper():
   tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0), 2)
   state = tx.init(PARAMS)
-  assert float(jaxamp.get_loss_scale(state)) == 4.0
+  assert float(jaxamp.loss_scale(state)) == 4.0
   assert float(jaxamp.scale_loss(jnp.float32(0.5), state)) == 2.0
   state = jaxamp.set_loss_scale(state, 32.0)
   assert isinstance(state, jaxamp.AccumulationState)
-  assert float(jaxamp.get_loss_scale(state)) == 32.0
+  assert float(jaxamp.loss_scale(state)) == 32.0
 
 
 def test_scaler_outside_the_accumulator_warns():
@@ -422,16 +422,16 @@ def test_accumulator_dtype():
   assert state.acc_grads["w"].dtype == jnp.float32
 
 
-def test_has_updated_finds_the_state_anywhere():
+def test_the_accumulation_state_is_found_anywhere():
   tx = optax.chain(optax.clip(1.0), jaxamp.accumulate_gradients(optax.sgd(1.0), 2))
   state = tx.init(PARAMS)
-  assert not bool(jaxamp.has_updated(state))
+  assert not bool(jaxamp.get_accumulation_state(state).updated)
   _, state = tx.update(micro_grads(1)[0], state, PARAMS)
   _, state = tx.update(micro_grads(1)[0], state, PARAMS)
-  assert bool(jaxamp.has_updated(state))
+  assert bool(jaxamp.get_accumulation_state(state).updated)
   assert jaxamp.get_accumulation_state(state).gradient_step.dtype == jnp.int32
   with pytest.raises(ValueError, match="No accumulation state"):
-    jaxamp.has_updated(optax.sgd(1.0).init(PARAMS))
+    jaxamp.get_accumulation_state(optax.sgd(1.0).init(PARAMS))
 
 
 def test_extra_args_reach_the_inner_on_closing_micro_steps():
@@ -472,7 +472,7 @@ def test_axis_name_reduces_once_per_window_under_vmap():
     ref_updates, ref_state = ref_update(mean, ref_state, PARAMS)
     for u, r in zip(jax.tree.leaves(updates), jax.tree.leaves(ref_updates)):
       np.testing.assert_allclose(u, jnp.broadcast_to(r, u.shape), rtol=1e-5, atol=1e-7)
-  scale = jaxamp.get_loss_scale(state)
+  scale = jaxamp.loss_scale(state)
   # The window with an inf on one device is skipped on every device; the next one is taken.
   np.testing.assert_array_equal(scale, jnp.full(devices, 2.0))
   np.testing.assert_array_equal(jaxamp.get_loss_scale_state(state).skipped_steps, [1] * devices)

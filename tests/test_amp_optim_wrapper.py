@@ -239,6 +239,17 @@ def test_load_without_loss_scaler_loads_the_optimizer_only():
   jax.tree.map(np.testing.assert_array_equal, b.opt_state, a.opt_state)
 
 
+def test_base_param_settings_are_restored_as_mmengine_does():
+  params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  cfg = dict(type="AmpOptimWrapper", optimizer=dict(type="SGD", lr=0.1),
+             paramwise_cfg=dict(custom_keys={"a": dict(lr_mult=0.5)}))
+  saved, fresh = (jaxamp.build_optim_wrapper(params, cfg) for _ in range(2))
+  saved.base_param_settings["lr"] = 0.05  # what a scheduler does to the base group
+  fresh.load_state_dict(saved.state_dict())
+  assert fresh.base_param_settings["lr"] == 0.05
+  assert fresh.get_lr()["base_lr"] == [0.05]
+
+
 def test_bad_scaler_state_changes_nothing():
   wrapper = make()
   run(wrapper, PATTERN[:2])

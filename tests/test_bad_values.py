@@ -279,7 +279,7 @@ def _build_tx(factory: str, kwargs: dict):
 
 
 def _step(tx, params, state):
-  scale = jaxamp.get_loss_scale(state)
+  scale = jaxamp.loss_scale(state)
   grads = jax.grad(lambda p: loss_fn(p, TARGET) * scale)(params)
   updates, state = tx.update(grads, state, params)
   return optax.apply_updates(params, updates), state
@@ -296,7 +296,7 @@ def _run_tx(tx, state=None, steps: int = 2, *, reuse: bool = False) -> tuple[Any
           else lambda p, s: _step(tx, p, s))
   for _ in range(steps):
     params, state = step(params, state)
-  return params, float(jaxamp.get_loss_scale(state))
+  return params, float(jaxamp.loss_scale(state))
 
 
 _DEFAULT_TXS: dict = {}

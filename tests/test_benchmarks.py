@@ -55,3 +55,17 @@ def test_the_core_trains(trained):
   moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params["jaxamp"], initial)
   assert all(jax.tree.leaves(moved))
   assert_trees_close(params["plain_f16_2calls"], params["plain_f16"])
+
+
+def test_the_compile_benchmark_times_every_phase_and_restores_what_it_switches_off():
+  from benchmarks import bench_compile
+  from jaxamp._src import finite
+
+  params, x, loss = bench_compile.leaf_problem(2, width=8)
+  original = finite.unscaled_check
+  with jax.numpy_dtype_promotion("standard"):
+    medians, counts = bench_compile.measure(["plain", "jaxamp:no_exact_check"], optax.sgd(0.1),
+                                            loss, params, x, repeats=1)
+  assert finite.unscaled_check is original
+  assert all(t > 0 for m in medians.values() for t in m.values())
+  assert counts["jaxamp:no_exact_check"]["hlo_instructions"] > counts["plain"]["hlo_instructions"]

@@ -159,3 +159,32 @@ def test_as_stored_rounds_what_an_accumulator_adds():
   del unrounded  # what XLA makes of the plain sum depends on whether it contracts it
   np.testing.assert_array_equal(finite.as_stored(jnp.array([1.0, -np.inf, np.nan, -0.0])),
                                 [1.0, -np.inf, np.nan, -0.0])
+
+
+def test_the_exact_check_is_exact_for_sums_that_would_overflow_and_flags_each_leaf():
+  # Below scale 1 the exact check runs. 4096 elements that unscale to the largest float32 are
+  # finite (a check that summed them would overflow); one element that unscales past it is not,
+  # and only its leaf is flagged, among leaves of two dtypes.
+  half_max = np.float32(F32_MAX / 2)
+
+  @jax.jit
+  def check(p, x):
+    g = jax.grad(lambda p: sum(jnp.sum(p[k] * x[k]).astype(jnp.float32) for k in p))(p)
+    c = finite.unscaled_check(g, jnp.float32(0.5))
+    return c.finite, c.nonfinite_leaves
+
+  p = {"a": jnp.ones(4096), "b": jnp.ones(3, jnp.bfloat16), "c": jnp.ones(3)}
+  x = {"a": jnp.full(4096, half_max), "b": jnp.array([1.0, 2.0, 3.0], jnp.bfloat16),
+       "c": jnp.array([1.0, np.nextafter(half_max, np.float32(np.inf)), 2.0], jnp.float32)}
+  ok, flags = check(p, x)
+  assert not bool(ok)
+  np.testing.assert_array_equal(flags, [False, False, True])
+  x["b"] = jnp.array([1.0, 3e38, 3.0], jnp.bfloat16)  # 6e38 is inf in bfloat16
+  x["c"] = jnp.ones(3)
+  ok, flags = check(p, x)
+  assert not bool(ok)
+  np.testing.assert_array_equal(flags, [False, True, False])
+  x["b"] = jnp.ones(3, jnp.bfloat16)
+  ok, flags = check(p, x)
+  assert bool(ok)
+  np.testing.assert_array_equal(flags, [False, False, False])

@@ -88,7 +88,7 @@ def linen_run():
       state, loss = train_step(state, x, labels[i])
       records.append(dict(window=window, loss=float(loss), step=int(state.step),
                           scale=float(state.loss_scale), skipped=int(state.skipped_steps),
-                          updated=bool(jaxamp.has_updated(state.opt_state))))
+                          updated=bool(jaxamp.get_accumulation_state(state.opt_state).updated)))
     records[-1]["params_before"] = before
     records[-1]["params_after"] = jax.device_get(state.params)
   return dict(state=state, records=records, traces=traces, model=model, xs=xs, labels=labels)
@@ -381,7 +381,7 @@ def test_nnx_trains_in_float16_with_scaling_and_accumulation(nnx_runs):
     model, optimizer, _, first, last = nnx_runs[name]
     assert last < 0.7 * first, name
     assert all(p.dtype == F32 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    assert float(jaxamp.get_loss_scale(nnx.as_pure(optimizer.opt_state))) == 2.0**14
+    assert float(jaxamp.loss_scale(nnx.as_pure(optimizer.opt_state))) == 2.0**14
     assert _adam_count(nnx.as_pure(optimizer.opt_state)) == 5
   assert _NNX_TRACES["n"] == 2  # one trace per optimizer class, none after
   # Same updates either way: only the counter differs.

@@ -445,7 +445,7 @@ def test_a_saturated_overflow_skips_the_step_and_backs_off(path):
     opt_state = tx.init(variables)
     updates, opt_state = tx.update(grads, opt_state, variables)
     after = jaxamp.apply_updates(variables, updates)
-    scale, skipped = jaxamp.get_loss_scale(opt_state), jaxamp.skipped_steps(opt_state)
+    scale, skipped = jaxamp.loss_scale(opt_state), jaxamp.skipped_steps(opt_state)
   else:
     wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), variables,
                                      loss_scale={"init_scale": BIG_SCALE})

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import jaxamp
 from tests._tracing import trace_counts
-from jaxamp._src.facade import scaler_core
+from jaxamp._src.facade import holder, scaler_state
 from jaxamp._src.facade import torch as facade
 
 F32_TINY = float(np.finfo(np.float32).tiny)
@@ -614,7 +614,7 @@ def test_200_steps_with_optim_wrapper_compile_once():
   scaler = jaxamp.GradScaler(init_scale=2.0**20, growth_interval=5)
   xs = jnp.linspace(-1.0, 1.0, 8)
   rule = scaler._rule
-  before_unscale = scaler_core._unscale_and_check._cache_size()
+  before_unscale = holder._unscale_and_check._cache_size()
   for i in range(200):
     opt.zero_grad()
     opt.backward(scaler.scale(loss), xs * (1.0 + 1e-3 * i))
@@ -624,8 +624,8 @@ def test_200_steps_with_optim_wrapper_compile_once():
     scaler.update()
   assert traces["n"] == 1
   assert set(trace_counts(opt).values()) == {1}
-  assert scaler_core.update_fn(rule)._cache_size() == 1
-  assert scaler_core._unscale_and_check._cache_size() - before_unscale <= 1
+  assert scaler_state.update_fn(rule, scaler._stall_after)._cache_size() == 1
+  assert holder._unscale_and_check._cache_size() - before_unscale <= 1
   assert scaler.get_scale() < 2.0**20 * 2.0**40  # grew, backed off, never inf
   assert np.all(np.isfinite(np.asarray(opt.params["w"])))
 

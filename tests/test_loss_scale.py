@@ -602,13 +602,13 @@ def test_get_scale_and_set_loss_scale_through_nesting(name):
   params, txs = _nestings()
   tx = txs[name]
   state = tx.init(params)
-  assert float(jaxamp.get_loss_scale(state)) == 8.0
+  assert float(jaxamp.loss_scale(state)) == 8.0
   assert float(jaxamp.scale_loss(jnp.float32(0.5), state)) == 4.0
   assert isinstance(jaxamp.get_loss_scale_state(state), jaxamp.LossScaleState)
   state = jaxamp.set_loss_scale(state, 32.0)
-  assert float(jaxamp.get_loss_scale(state)) == 32.0
+  assert float(jaxamp.loss_scale(state)) == 32.0
   updates, state = jax.jit(tx.update)({"w": jnp.full(2, 32.0)}, state, params)
-  assert float(jaxamp.get_loss_scale(state)) == 32.0
+  assert float(jaxamp.loss_scale(state)) == 32.0
   np.testing.assert_allclose(updates["w"], -0.1)
 
 
@@ -635,7 +635,7 @@ def test_compositions_that_cannot_work_are_refused_at_first_trace(name):
   with pytest.raises(ValueError, match=re.escape(working)):
     jax.jit(jaxamp.scale_loss)(jnp.float32(1.0), state)
   with pytest.raises(ValueError, match=re.escape(working)):
-    jaxamp.get_loss_scale(state)
+    jaxamp.loss_scale(state)
   train_state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=make())
   with pytest.raises(ValueError, match=re.escape(working)):
     jax.jit(lambda s: s.scale_loss(jnp.float32(1.0)))(train_state)
@@ -671,7 +671,7 @@ def test_scale_loss_promotes_half_precision_losses():
 
 def test_states_without_a_loss_scale_are_a_clear_error():
   state = optax.adam(1e-3).init({"w": jnp.ones(2)})
-  for call in (jaxamp.get_loss_scale, lambda s: jaxamp.scale_loss(1.0, s),
+  for call in (jaxamp.loss_scale, lambda s: jaxamp.scale_loss(1.0, s),
                lambda s: jaxamp.set_loss_scale(s, 2.0), jaxamp.get_loss_scale_state):
     with pytest.raises(ValueError, match="^No loss-scale state found in the optimizer state"):
       call(state)

@@ -149,7 +149,7 @@ def test_one_jitted_step_with_the_loss_scaler():
     params, opt_state, loss = step(params, opt_state, batch)
     losses.append(float(loss))
   assert losses[2] < losses[0]
-  assert float(jaxamp.get_loss_scale(opt_state)) == 32.0
+  assert float(jaxamp.loss_scale(opt_state)) == 32.0
 
 
 @pytest.mark.parametrize("args,error,match", [

@@ -429,6 +429,24 @@ def test_injected_hyperparameters_are_read_and_set_without_recompiling():
   np.testing.assert_allclose(wrapper.opt_state.hyperparams["learning_rate"], 0.25)
 
 
+def test_a_hyperparameter_the_state_does_not_hold_is_refused_not_ignored():
+  plain = jaxamp.OptimWrapper(optax.sgd(0.1), w_params())
+  sgd = jaxamp.OptimWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), w_params())
+  for wrapper, key in ((plain, "lr"), (plain, "weight_decay"), (sgd, "momentum")):
+    with pytest.raises(ValueError, match=f"holds no injected '{key}'.*inject_hyperparams"):
+      wrapper.param_groups[0][key] = 0.01
+    saved = wrapper.state_dict()
+    saved["param_groups"][0][key] = 0.01
+    with pytest.raises(ValueError, match=f"holds no injected '{key}'"):
+      wrapper.load_state_dict(saved)
+    assert key not in wrapper.param_groups[0]
+  plain.param_groups[0]["initial_lr"] = 0.1  # a scheduler's own entry is kept
+  assert plain.param_groups[0]["initial_lr"] == 0.1
+  sgd.optimizer.param_groups[0]["lr"] = 0.01  # through mmengine's optimizer view
+  sgd.update_params(loss_fn, X)
+  np.testing.assert_allclose(sgd.params["w"], 1.0 - 0.01 * np.asarray(X))
+
+
 def test_state_dict_round_trip():
   opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
   wrapper = jaxamp.OptimWrapper(opt, w_params(), clip_grad=dict(max_norm=1.0))

@@ -277,11 +277,11 @@ def test_state_dict_format_and_round_trip():
 def test_loop_compiles_once():
   scaler = jaxamp.paddle.GradScaler(init_loss_scaling=2.0**10, incr_every_n_steps=3)
   _run(scaler, {2, 3}, 4)
-  from jaxamp._src.facade import scaler_core as facade
-  update = facade.update_fn(scaler._rule)
-  sizes = update._cache_size(), facade._unscale_and_check._cache_size()
+  from jaxamp._src.facade import holder, scaler_state
+  update = scaler_state.update_fn(scaler._rule, scaler._stall_after)
+  sizes = update._cache_size(), holder._unscale_and_check._cache_size()
   _run(scaler, {1, 5, 6}, 20)
-  assert (update._cache_size(), facade._unscale_and_check._cache_size()) == sizes
+  assert (update._cache_size(), holder._unscale_and_check._cache_size()) == sizes
 
 
 def test_the_loop_never_reads_device_values(monkeypatch):

@@ -97,7 +97,7 @@ def accumulate_gradients(
   can skip the step and back off the scale itself.
 
   **With loss scaling**, ``accumulate_gradients(dynamic_loss_scale(inner), k)``
-  is PyTorch's recipe: the scale (found by :func:`get_loss_scale` and
+  is PyTorch's recipe: the scale (found by :func:`loss_scale` and
   :func:`scale_loss` through this wrapper) stays constant within a window,
   every micro-batch's loss is multiplied by it, and the accumulated
   gradients are unscaled and checked once per window; an inf or nan in any

@@ -44,22 +44,6 @@ def norm_order(norm_type: Any) -> float:
   return norm_type
 
 
-def _vector_norm(x: jax.Array, order: float) -> jax.Array:
-  """``torch.linalg.vector_norm(x, order)`` of a flattened float32 array."""
-  x = jnp.abs(jnp.ravel(x).astype(jnp.float32))
-  if order == math.inf:
-    return jnp.max(x)
-  if order == -math.inf:
-    return jnp.min(x)
-  if order == 0:
-    return jnp.sum(x != 0).astype(jnp.float32)
-  if order == 1:
-    return jnp.sum(x)
-  if order == 2:
-    return jnp.sqrt(jnp.sum(x * x))
-  return jnp.sum(x**jnp.float32(order)) ** jnp.float32(1.0 / order)
-
-
 def total_grad_norm(grads: Any, norm_type: float | str = 2.0) -> jax.Array:
   """The total ``norm_type``-norm of all floating leaves, as PyTorch measures it.
 
@@ -75,15 +59,14 @@ def total_grad_norm(grads: Any, norm_type: float | str = 2.0) -> jax.Array:
     >>> jaxamp.total_grad_norm({'a': jnp.array([3.0]), 'b': jnp.array([-4.0])}, 'inf')
     Array(4., dtype=float32)
   """
-  order = norm_order(norm_type)
-  leaves = [g for g in jax.tree.leaves(grads)
-            if jnp.issubdtype(jnp.result_type(g), jnp.inexact) and jnp.size(g) > 0]
-  if not leaves:
+  order: Any = norm_order(norm_type)  # jax annotates ord as int | str; it takes floats too
+  norms = [jnp.linalg.vector_norm(jnp.ravel(g).astype(jnp.float32), ord=order)
+           for g in jax.tree.leaves(grads) if validation.is_inexact(g) and jnp.size(g) > 0]
+  if not norms:
     return jnp.zeros([], jnp.float32)
-  norms = jnp.stack([_vector_norm(g, order) for g in leaves])
-  if len(leaves) == 1:
+  if len(norms) == 1:
     return norms[0]
-  return _vector_norm(norms, order)
+  return jnp.linalg.vector_norm(jnp.stack(norms), ord=order)
 
 
 def clip_grad_norm(max_norm: float, norm_type: float | str = 2.0) -> optax.GradientTransformation:
@@ -136,17 +119,22 @@ def clip_grad_norm(max_norm: float, norm_type: float | str = 2.0) -> optax.Gradi
 
   def update_fn(updates, state, params=None):
     del state, params
-    norm = total_grad_norm(updates, order)
-    coef = jnp.minimum(jnp.float32(max_norm_) / (norm + jnp.float32(_EPS)), jnp.float32(1.0))
-
-    def scale(g):
-      if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
-        return g
-      return (g.astype(jnp.float32) * coef).astype(g.dtype)
-
-    return jax.tree.map(scale, updates), ClipGradNormState(total_norm=norm)
+    clipped, norm = clip_by_total_norm(updates, jnp.float32(max_norm_), order)
+    return clipped, ClipGradNormState(total_norm=norm)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def clip_by_total_norm(grads: Any, max_norm: jax.Array, order: float) -> tuple[Any, jax.Array]:
+  """PyTorch's clipping of ``grads`` to total norm ``max_norm`` (a float32 scalar, may be traced).
+
+  Returns the clipped gradients and the total norm before clipping.
+  """
+  norm = total_grad_norm(grads, order)
+  coef = jnp.minimum(max_norm / (norm + jnp.float32(_EPS)), jnp.float32(1.0))
+  return jax.tree.map(
+      lambda g: (g.astype(jnp.float32) * coef).astype(g.dtype) if validation.is_inexact(g) else g,
+      grads), norm
 
 
 def clip_grad_value(clip_value: float) -> optax.GradientTransformation:

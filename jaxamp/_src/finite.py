@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src import sharding
+from jaxamp._src import validation
 
 AxisName = sharding.AxisName
 
@@ -55,13 +56,9 @@ DENORMAL_RECIPROCAL = 2.0**126
 _UINT = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def _is_float(x: Any) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
 def float_leaves(tree: Any) -> list:
   """The floating leaves of ``tree``, as arrays (a leaf that is one already is returned as is)."""
-  return [jnp.asarray(x) for x in jax.tree.leaves(tree) if _is_float(x)]
+  return [jnp.asarray(x) for x in jax.tree.leaves(tree) if validation.is_inexact(x)]
 
 
 def _ieee_bits(x: jax.Array) -> Optional[tuple[jax.Array, Any, Any]]:

@@ -37,7 +37,7 @@ def _scale_value(loss_scale: Any) -> Optional[jax.Array]:
       raise ValueError("loss_scale must be a scalar or an optimizer state holding a loss "
                        f"scale, got an array of shape {value.shape} and dtype {value.dtype}")
     return value.astype(jnp.float32)
-  return state_lib.get_loss_scale(loss_scale)
+  return state_lib.loss_scale(loss_scale)
 
 
 def _split(batch: Any, num: int) -> Any:
@@ -94,7 +94,7 @@ def microbatch_value_and_grad(
 
   With ``loss_scale`` (a scalar, or an optimizer state holding a
   :func:`dynamic_loss_scale`/:func:`static_loss_scale` state, found as
-  :func:`get_loss_scale` finds it), the gradients are those of
+  :func:`loss_scale` finds it), the gradients are those of
   ``loss * loss_scale`` (the loss promoted to float32 first), ready for the
   loss-scaling transformation to unscale and check, while the returned loss
   is the unscaled mean. The scale is the same for every micro-batch, and

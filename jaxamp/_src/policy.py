@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Union
+from typing import Any, Callable, Union, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxamp._src import validation
 
 DTypeLike = Union[str, type, np.dtype]
 
@@ -46,13 +48,7 @@ def canonical_dtype(dtype: DTypeLike, name: str = "dtype") -> jnp.dtype:
       raise ValueError(f"{name} must be one of {sorted(_DTYPE_NAMES)} or a floating jnp dtype, "
                        f"got {dtype!r}")
     return jnp.dtype(_DTYPE_NAMES[key])
-  try:
-    out = jnp.dtype(dtype)
-  except TypeError:
-    raise TypeError(f"{name} must be a dtype or a dtype name, got {dtype!r}") from None
-  if not jnp.issubdtype(out, jnp.floating):
-    raise ValueError(f"{name} must be a floating-point dtype, got {out}")
-  return out
+  return cast(jnp.dtype, validation.check_float_dtype(name, dtype))
 
 
 def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:

@@ -93,8 +93,9 @@ class AccumulationState(NamedTuple):
       (a window dropped for non-finite gradients counts as closed).
     micro_step: micro-steps seen in total (mmengine's ``inner_count``); a value
       above ``total_steps`` records a call past the end.
-    updated: bool, whether the last call closed a window (see
-      :func:`has_updated`).
+    updated: bool, whether the last call closed a window (a window dropped
+      for non-finite gradients included; :func:`update_applied` says whether
+      the parameters changed).
     skipped_windows: windows dropped by the wrapper because their
       accumulated gradients held an inf or a nan (0 when the inner
       transformation is a loss scaler, which then does the skipping and
@@ -242,7 +243,7 @@ def get_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
   """Finds the (outermost) :class:`LossScaleState` anywhere inside ``opt_state``.
 
   Every functional-core query of the scale goes through here (:func:`scale_loss`,
-  :func:`get_loss_scale`, ``jaxamp.TrainState``, ``jaxamp.nnx.Optimizer``), so
+  :func:`loss_scale`, ``jaxamp.TrainState``, ``jaxamp.nnx.Optimizer``), so
   the compositions around the scaler that cannot work are refused here, at the
   first trace: a scaler inside ``optax.MultiSteps`` or
   ``optax.apply_if_finite``, or beside a stateful transformation in an
@@ -265,11 +266,14 @@ def get_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
       "or jaxamp.static_loss_scale(...).")
 
 
-def get_loss_scale(opt_state: optax.OptState) -> jax.Array:
+def loss_scale(opt_state: optax.OptState) -> jax.Array:
   """Returns the current loss scale (a float32 device scalar) found in ``opt_state``.
 
   Works through ``optax.chain``, ``optax.inject_hyperparams``,
-  :func:`accumulate_gradients` and any other nesting of optax states.
+  :func:`accumulate_gradients` and any other nesting of optax states. The
+  same name as ``TrainState.loss_scale``, ``jaxamp.nnx.Optimizer.loss_scale``
+  and the ``'loss_scale'`` entry of :func:`step_metrics` (which read 1.0
+  without loss scaling, where this raises).
 
   Raises:
     ValueError: when ``opt_state`` holds no loss-scale state.
@@ -277,7 +281,7 @@ def get_loss_scale(opt_state: optax.OptState) -> jax.Array:
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
     >>> tx = optax.chain(optax.identity(), jaxamp.dynamic_loss_scale(optax.adam(1e-3)))
-    >>> jaxamp.get_loss_scale(tx.init({'w': jnp.zeros(3)}))
+    >>> jaxamp.loss_scale(tx.init({'w': jnp.zeros(3)}))
     Array(65536., dtype=float32)
   """
   return get_loss_scale_state(opt_state).scale
@@ -296,7 +300,7 @@ def scale_loss(loss: jax.Array, opt_state: optax.OptState) -> jax.Array:
     >>> jaxamp.scale_loss(jnp.float32(0.5), state)
     Array(2., dtype=float32)
   """
-  return multiply_by_scale(loss, get_loss_scale(opt_state))
+  return multiply_by_scale(loss, loss_scale(opt_state))
 
 
 def multiply_by_scale(loss: Any, scale: Any) -> jax.Array:
@@ -326,7 +330,7 @@ def set_loss_scale(opt_state: optax.OptState, scale: Any) -> optax.OptState:
     >>> import jax.numpy as jnp, optax, jaxamp
     >>> tx = optax.chain(optax.identity(), jaxamp.dynamic_loss_scale(optax.sgd(0.1)))
     >>> state = jaxamp.set_loss_scale(tx.init({'w': jnp.zeros(2)}), 1024.0)
-    >>> jaxamp.get_loss_scale(state)
+    >>> jaxamp.loss_scale(state)
     Array(1024., dtype=float32)
   """
   get_loss_scale_state(opt_state)  # a clear error when there is none
@@ -359,33 +363,6 @@ def get_accumulation_state(opt_state: optax.OptState) -> AccumulationState:
   raise ValueError(
       "No accumulation state found in the optimizer state (of type "
       f"{type(opt_state).__name__}). Build the optimizer with jaxamp.accumulate_gradients(...).")
-
-
-def has_updated(opt_state: optax.OptState) -> jax.Array:
-  """Whether the last update closed an accumulation window (a bool device scalar).
-
-  Finds the (outermost) :class:`AccumulationState` anywhere inside
-  ``opt_state`` (through ``optax.chain``, ``inject_hyperparams``, ...). True
-  means the updates returned by that call came from the inner transformation
-  (or were zeros because the window was dropped as non-finite); False means
-  the call only accumulated. No host sync: wrap it in ``bool()`` only where a
-  Python value is needed.
-
-  Raises:
-    ValueError: when ``opt_state`` holds no accumulation state.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, jaxamp
-    >>> tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 2)
-    >>> state = tx.init({'w': jnp.zeros(2)})
-    >>> _, state = tx.update({'w': jnp.ones(2)}, state)
-    >>> jaxamp.has_updated(state)
-    Array(False, dtype=bool)
-    >>> _, state = tx.update({'w': jnp.ones(2)}, state)
-    >>> jaxamp.has_updated(state)
-    Array(True, dtype=bool)
-  """
-  return get_accumulation_state(opt_state).updated
 
 
 def skipped_steps(opt_state: optax.OptState) -> jax.Array:

@@ -184,17 +184,28 @@ def check_scale(name: str, value: Any, low: float = 0.0,
 
 
 def check_float_dtype(name: str, dtype: Any, *, allow_none: bool = False) -> Optional[jnp.dtype]:
-  """A floating-point dtype (or ``None`` where allowed), as a ``jnp.dtype``."""
+  """A floating-point dtype (or ``None`` where allowed), as a ``jnp.dtype``.
+
+  Raises:
+    TypeError: neither a dtype nor a dtype name (nor ``None`` where allowed).
+    ValueError: a dtype that is not floating-point (complex included).
+  """
   accepted = "None or a floating-point dtype" if allow_none else "a floating-point dtype"
   if dtype is None and allow_none:
     return None
   try:
     out = jnp.dtype(dtype)
   except TypeError:
-    raise TypeError(f"{name} must be {accepted}, got {dtype!r}") from None
+    raise TypeError(f"{name} must be {accepted} (a dtype or a dtype name), got {dtype!r}"
+                    ) from None
   if not jnp.issubdtype(out, jnp.floating):
-    raise ValueError(f"{name} must be {accepted} (float32 is usual), got {out}")
+    raise ValueError(f"{name} must be {accepted}, got {out}")
   return out
+
+
+def is_inexact(x: Any) -> bool:
+  """Whether ``x`` (an array, a Python or numpy scalar, or a dtype) is floating-point or complex."""
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def is_array(x: Any) -> bool:

@@ -181,7 +181,7 @@ def check(case: Case, dtype: Any, name: str) -> None:
 
 def unscaled(grads: Any, opt_state: Any) -> Any:
   """The gradients of a scaled loss divided by the scale they were scaled by."""
-  scale = jaxamp.get_loss_scale(opt_state)
+  scale = jaxamp.loss_scale(opt_state)
   return jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
 
 

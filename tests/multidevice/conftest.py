@@ -1,4 +1,4 @@
-"""Shared set-up of the 8-device tests (run by tests/test_multidevice.py in a process of their own)."""
+"""Shared set-up of the 8-device tests (run by tests/_multidevice.py in child processes)."""
 
 import jax
 import pytest
@@ -6,7 +6,7 @@ from jax.sharding import AxisType
 
 if jax.device_count() != 8:
   raise pytest.UsageError(
-      "tests/multidevice needs 8 devices: run it through tests/test_multidevice.py, or with "
+      "tests/multidevice needs 8 devices: run it through tests/test_multidevice*.py, or with "
       "XLA_FLAGS=--xla_force_host_platform_device_count=8 JAXAMP_MULTIDEVICE=1")
 
 

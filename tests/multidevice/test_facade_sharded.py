@@ -112,6 +112,6 @@ def test_should_sync_is_the_step_on_which_the_deferred_all_reduce_runs(acc, max_
     syncs.append(wrapper.should_sync())
     wrapper.update_params(loss_fn, jnp.ones(2))
     state = step(state, {"w": jnp.ones((8, 2))})
-    closes.append(bool(np.asarray(jaxamp.has_updated(state))[0]))
+    closes.append(bool(np.asarray(jaxamp.get_accumulation_state(state).updated)[0]))
   assert syncs == closes
   assert any(syncs)

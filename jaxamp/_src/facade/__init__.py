@@ -1,7 +1,4 @@
 """Stateful facades with the APIs of PyTorch, mmengine and Paddle, over the functional core.
 
-``torch.py`` and ``paddle.py`` (the two ``GradScaler`` classes, sharing ``scaler_core.py`` and
-``scaled_loss.py``), ``mmengine/`` (the optimizer wrappers), ``torch_optimizers.py`` (PyTorch's
-update rules as optax transformations) and ``builder.py`` (``build_optim_wrapper``).
-``errors.py`` holds the exception types that are both the original's and Python's usual one.
+``docs/design.md`` maps their modules and the direction of their imports.
 """

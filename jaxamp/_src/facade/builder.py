@@ -10,10 +10,9 @@ the parameters into groups over their pytree paths (mmengine's
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.mmengine import trees
 from jaxamp._src.facade.mmengine.amp_optim_wrapper import AmpOptimWrapper
-from jaxamp._src.facade.mmengine.hyperparams import GroupSpec
+from jaxamp._src.facade.mmengine.param_groups import GroupSpec
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
 from jaxamp._src.facade.mmengine.optim_wrapper import describe_groups
 from jaxamp._src.facade.mmengine.optim_wrapper import install_group_specs
@@ -33,31 +32,6 @@ from jaxamp._src.facade.mmengine.optim_wrapper_dict import OptimWrapperDict
 from jaxamp._src.facade.torch_optimizers import TORCH_OPTIMIZERS
 from jaxamp._src.facade.torch_optimizers import TorchOptimizer
 from jaxamp._src.low_precision import low_precision_params
-
-
-@dataclasses.dataclass(frozen=True)
-class OptaxFactory:
-  """An optax factory (``optax.adamw``...) given as the ``type`` of an optimizer config.
-
-  Its keyword arguments keep their optax names (``learning_rate``); they are
-  passed as they are, and the factory checks them.
-  """
-
-  factory: Callable[..., optax.GradientTransformation]
-
-  @property
-  def name(self) -> str:
-    """The factory's name, for messages."""
-    return getattr(self.factory, "__name__", repr(self.factory))
-
-  def resolve(self, cfg: Mapping[str, Any]) -> dict:
-    """The config as given (the factory validates it when called)."""
-    return dict(cfg)
-
-  def build(self, c: dict) -> optax.GradientTransformation:
-    """``optax.inject_hyperparams(factory)(**c)``."""
-    return optax.inject_hyperparams(self.factory)(**c)
-
 
 
 # -------------------------------------------------------------------------------------------------
@@ -226,13 +200,13 @@ def _optimizer_kind(optimizer_cfg: Mapping[str, Any]) -> Any:
                        "or an optax factory such as optax.adamw")
     return TORCH_OPTIMIZERS[kind]
   if callable(kind):
-    return OptaxFactory(kind)
+    return kind  # an optax factory: its arguments keep their optax names, it checks them
   raise ValueError(f"Unknown optimizer type {kind!r}; accepted: {sorted(TORCH_OPTIMIZERS)} or "
                    "an optax factory such as optax.adamw")
 
 
 def _build_optimizer(params: Any, optimizer_cfg: Mapping[str, Any], paramwise_cfg: Any):
-  """Returns ``(transformation, group specs or None, defaults)``."""
+  """Returns ``(transformation, groups, defaults, torch_like)`` (groups: ``GroupSpec``s if torch_like)."""
   if not isinstance(optimizer_cfg, Mapping):
     raise TypeError(f"optimizer must be a config dict or an optax transformation, got "
                     f"{optimizer_cfg!r}")
@@ -245,7 +219,7 @@ def _build_optimizer(params: Any, optimizer_cfg: Mapping[str, Any], paramwise_cf
                      "first argument of build_optim_wrapper")
   torch_like = isinstance(kind, TorchOptimizer)
   lr_key, wd_key = ("lr", "weight_decay") if torch_like else ("learning_rate", "weight_decay")
-  base = kind.resolve(cfg)
+  base = kind.resolve(cfg) if torch_like else dict(cfg)
   base_lr = base.get(lr_key)
   base_wd = cfg.get(wd_key)  # mmengine: only an explicit weight_decay enables the decay rules
   hp_keys = list(kind.defaults) if torch_like else list(cfg)
@@ -264,7 +238,8 @@ def _build_optimizer(params: Any, optimizer_cfg: Mapping[str, Any], paramwise_cf
     hp = {k: v for k, v in override.items() if k not in ("lr_mult", "decay_mult")}
     extras = {k: v for k, v in override.items() if k in ("lr_mult", "decay_mult")}
     group_cfg = kind.resolve(dict(cfg, **hp)) if torch_like else dict(cfg, **hp)
-    transforms.append(kind.build(group_cfg))
+    transforms.append(kind.build(group_cfg) if torch_like
+                      else optax.inject_hyperparams(kind)(**group_cfg))
     group_names = [n for n, label in zip(names, labels) if label == index]
     if torch_like:
       codecs = kind.codecs(group_cfg)

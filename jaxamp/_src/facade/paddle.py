@@ -1,9 +1,7 @@
 """``jaxamp.paddle.GradScaler``: Paddle's ``paddle.amp.GradScaler`` for JAX training loops.
 
-It steps the same optimizer holders as :class:`jaxamp.GradScaler` and shares
-its state, stage bookkeeping and jitted steps (see
-:mod:`jaxamp._src.facade.scaler_core`), with Paddle's hysteresis
-(``decr_every_n_nan_or_inf``) as ``ScaleRule(hysteresis=...)``.
+It shares the holders (:mod:`.holder`), state (:mod:`.scaler_state`) and stages (:mod:`.stages`)
+of :class:`jaxamp.GradScaler`, with Paddle's hysteresis as ``ScaleRule(hysteresis=...)``.
 """
 
 from __future__ import annotations
@@ -19,7 +17,9 @@ from jaxamp._src import state as state_lib
 from jaxamp._src import loss_scale
 from jaxamp._src import outside
 from jaxamp._src import validation
-from jaxamp._src.facade import scaler_core as core
+from jaxamp._src.facade import holder
+from jaxamp._src.facade import scaler_state
+from jaxamp._src.facade.stages import OptState, OptimizerRecord, StageBook
 from jaxamp._src.facade import stall
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.scaled_loss import ScaledLoss, ScalesInUse
@@ -80,36 +80,14 @@ class GradScaler:
   steps are still skipped; with ``enable=False`` nothing is scaled and every
   step is applied.
 
-  Differences from Paddle (whose defects are not copied):
-
-  * The scale never grows to inf: a growth that would overflow float32 is
-    refused (Paddle's float32 product turns 2^127 into inf for good).
-  * The scale never falls below :data:`jaxamp.DEFAULT_MIN_SCALE` (the
-    smallest normal float32); Paddle's has no lower bound.
-  * With several optimizers, ``update()`` (and ``minimize``) counts an
-    iteration as bad when *any* optimizer stepped since the last update
-    found inf/nan; Paddle uses only the last one's flag, so its scale can
-    grow right after an overflow. Each optimizer skips on its own flag
-    (Paddle's ``step`` after ``unscale_`` of another optimizer uses the
-    other's). ``update()`` with no step since the last one repeats the last
-    iteration's flag, as Paddle does (a good iteration before any step).
-  * Products are rounded as float64 arithmetic rounds them (the same as
-    Paddle's float32 products for power-of-two ratios, within one ulp
-    otherwise).
-  * A counter above its threshold (after a setter or a loaded state) acts
-    at the next step; Paddle's equality test never acts again.
-  * No message is printed when the scale decreases (it would need a host
-    sync), the scaler does not disable itself on CPU or under a bfloat16
-    autocast, ``minimize`` returns ``None`` and ignores ``scaled_loss`` (the
-    gradients come from ``opt.backward``), and ``scale`` promotes float16/
-    bfloat16 losses to float32 and also accepts a loss function (see
-    :meth:`scale`).
-  * Setters rebuild the static rule, so the next update compiles once more
-    (cached per rule).
-  * With dynamic scaling, a run whose gradients stay inf or nan at every
-    scale is reported by :meth:`update` and :meth:`minimize`, as
-    :class:`jaxamp.GradScaler` reports it (``on_stall``, ``stall_after``,
-    ``stall_check_every``); Paddle skips silently, forever.
+  What differs from Paddle (whose defects are not copied), and why, is
+  listed in the porting guide (``docs/porting.md``, "From Paddle"): the
+  scale never grows to inf nor falls below :data:`jaxamp.DEFAULT_MIN_SCALE`,
+  an iteration is bad when *any* optimizer stepped since the last update
+  found inf/nan. With dynamic scaling, a run whose gradients stay inf or nan
+  at every scale is reported by :meth:`update` and :meth:`minimize`, as
+  :class:`jaxamp.GradScaler` reports it (``on_stall``, ``stall_after``,
+  ``stall_check_every``); Paddle skips silently, forever.
 
   The defaults are Paddle 3.3.1's ``paddle.amp.GradScaler`` (65536, x2
   after 2000 good steps, x0.5 after every bad one). Paddle's older
@@ -169,7 +147,7 @@ class GradScaler:
     self._decr_every_n_nan_or_inf = decr_every_n_nan_or_inf
     self._rule: Optional[loss_scale.ScaleRule] = None
     if self._enable:
-      incr, decr = core.check_factor_types(incr_ratio=incr_ratio, decr_ratio=decr_ratio)
+      incr, decr = scaler_state.check_factors(incr_ratio=incr_ratio, decr_ratio=decr_ratio)
       if incr <= 1.0:
         raise AssertionValueError("The incr_ratio must be > 1.0.")
       if decr >= 1.0:
@@ -179,8 +157,8 @@ class GradScaler:
                              self._rule.max_scale)
       self._init_loss_scaling = init_loss_scaling
       self._use_dynamic_loss_scaling = bool(use_dynamic_loss_scaling)
-    self._state = core.make_state(self._init_loss_scaling)
-    self._stages = core.StageBook()
+    self._state = scaler_state.make_state(self._init_loss_scaling)
+    self._stages = StageBook()
     # Flags of the steps since the last update, and the flag the last update used.
     self._pending: list[jax.Array] = []
     self._last_found_inf = jnp.zeros([], jnp.bool_)
@@ -200,16 +178,13 @@ class GradScaler:
             f"use_dynamic_loss_scaling={self._use_dynamic_loss_scaling})")
 
   @property
-  def state(self) -> core.ScalerState:
+  def state(self) -> state_lib.LossScaleState:
     """The device state: ``scale``, ``growth_tracker`` (incr_count), ``overflow_count`` (decr_count)."""
     return self._state
 
   def _scale_array(self) -> jax.Array:
-    """The scale a loss scaled now is multiplied by (a scaled loss call's, inside one)."""
-    in_use = self._scales_in_use.current()
-    if in_use is not None:
-      return in_use
-    return self._state.scale
+    """The scale a loss scaled now is multiplied by: a scaled loss call's, else the state's."""
+    return self._scales_in_use.current_or(lambda: self._state.scale)
 
   def using_scale(self, scale: jax.Array) -> contextlib.AbstractContextManager:
     """Inside, :meth:`scale` uses ``scale`` (the one a scaled loss being called multiplies by)."""
@@ -236,12 +211,12 @@ class GradScaler:
     Raises:
       TypeError: for anything else.
     """
-    if not (core.is_array(var) or callable(var)):
+    if not (validation.is_array(var) or callable(var)):
       raise TypeError(f"The type of 'var' in GradScaler.scale() must be (<class 'jax.Array'>, "
                       f"a loss function), but received {type(var)}. ")
     if not self._enable:
       return var
-    if core.is_array(var):
+    if validation.is_array(var):
       return state_lib.multiply_by_scale(var, self._scale_array())
     # Inside a scaled loss being traced, multiply by its (traced) scale, not the state's.
     in_use = self._scales_in_use.current()
@@ -263,13 +238,13 @@ class GradScaler:
     if not self._enable:
       return
     record = self._stages.check_unscale(optimizer)
-    found_inf = core.unscale_grads(optimizer, self._state.scale, allow_float16=True)
+    found_inf = holder.unscale_grads(optimizer, self._state.scale, allow_float16=True)
     record.found_inf = jnp.zeros([], jnp.bool_) if found_inf is None else found_inf
-    record.stage = core.OptState.UNSCALED
+    record.stage = OptState.UNSCALED
 
-  def _apply(self, optimizer: Any, record: core.OptimizerRecord) -> None:
-    if record.stage is core.OptState.READY:
-      found_inf = core.fused_step(optimizer, self._state.scale, allow_float16=True)
+  def _apply(self, optimizer: Any, record: OptimizerRecord) -> None:
+    if record.stage is OptState.READY:
+      found_inf = holder.fused_step(optimizer, self._state.scale, allow_float16=True)
       if found_inf is not None:
         record.found_inf = found_inf
         self._pending.append(found_inf)
@@ -294,22 +269,19 @@ class GradScaler:
       return None
     record = self._stages.check_step(optimizer)
     self._apply(optimizer, record)
-    record.stage = core.OptState.STEPPED
+    record.stage = OptState.STEPPED
     if not self._use_dynamic_loss_scaling:
-      self._reset()
+      self._stages.reset()
     return None
-
-  def _reset(self) -> None:
-    self._stages.reset()
 
   def _update(self) -> None:
     flags = tuple(self._pending) if self._pending else (self._last_found_inf,)
     rule = self._rule if self._rule is not None else self._make_rule()
-    self._state, self._last_found_inf = core.update_fn(rule, self._stall_after)(self._state, flags)
+    self._state, self._last_found_inf = scaler_state.update_fn(rule, self._stall_after)(self._state, flags)
     self._pending = []
     optimizers = self._stages.optimizers()
     self._monitor.after_step(self._state.stalled, self._state.skip_streak,
-                             lambda: core.nonfinite_grad_leaves(optimizers))
+                             lambda: stall.nonfinite_grad_leaves(optimizers))
 
   def update(self) -> None:
     """Updates the scale from the steps since the last update (dynamic scaling only)."""
@@ -317,7 +289,7 @@ class GradScaler:
       return None
     if self._use_dynamic_loss_scaling:
       self._update()
-      self._reset()
+      self._stages.reset()
     return None
 
   def minimize(self, optimizer: Any, scaled_loss: Any = None, *args: Any, **kwargs: Any) -> None:
@@ -340,14 +312,14 @@ class GradScaler:
     self._apply(optimizer, self._stages.record(optimizer))
     if self._use_dynamic_loss_scaling:
       self._update()
-    self._reset()
+    self._stages.reset()
     return None
 
   def step_metrics(self) -> dict:
     """:func:`jaxamp.step_metrics`: the scale and the skip counters, as device scalars."""
     if not self._enable:
       raise ValueError("step_metrics needs loss scaling: this GradScaler is disabled")
-    return core.metrics(self._state)
+    return state_lib.step_metrics(self._state)
 
   # -- getters and setters ----------------------------------------------------------------------
 
@@ -377,7 +349,7 @@ class GradScaler:
 
   def set_incr_ratio(self, new_incr_ratio: float) -> None:
     """Sets the increase multiplier (> 1)."""
-    if core.check_factor_types(new_incr_ratio=new_incr_ratio)[0] <= 1.0:
+    if scaler_state.check_factors(new_incr_ratio=new_incr_ratio)[0] <= 1.0:
       raise AssertionValueError("The new_incr_ratio must be > 1.0.")
     if self._enable:
       self._rule = self._make_rule(growth_factor=new_incr_ratio)
@@ -389,7 +361,7 @@ class GradScaler:
 
   def set_decr_ratio(self, new_decr_ratio: float) -> None:
     """Sets the decrease multiplier (< 1)."""
-    if core.check_factor_types(new_decr_ratio=new_decr_ratio)[0] >= 1.0:
+    if scaler_state.check_factors(new_decr_ratio=new_decr_ratio)[0] >= 1.0:
       raise AssertionValueError("The new_decr_ratio must be < 1.0.")
     if self._enable:
       self._rule = self._make_rule(backoff_factor=new_decr_ratio)
@@ -456,10 +428,9 @@ class GradScaler:
     """
     if not self._enable:
       return
-    outside.mapping("state_dict", state_dict)
-    core.require_nonempty(state_dict, "The input state dict is empty, possibly because it was "
-                          "saved from a disabled instance of GradScaler.")
-    outside.keys("state_dict", state_dict, _STATE_KEYS)
+    scaler_state.checked_state_dict(state_dict, _STATE_KEYS, "The input state dict is empty, "
+                                    "possibly because it was saved from a disabled instance of "
+                                    "GradScaler.")
     rule = _paddle_rule(growth_factor=state_dict["incr_ratio"],
                         backoff_factor=state_dict["decr_ratio"],
                         growth_interval=state_dict["incr_every_n_steps"],
@@ -477,4 +448,4 @@ class GradScaler:
     self._incr_every_n_steps = rule.growth_interval
     self._decr_every_n_nan_or_inf = rule.hysteresis
     self._use_dynamic_loss_scaling = dynamic
-    self._state = core.make_state(scale, incr_count, decr_count)
+    self._state = scaler_state.make_state(scale, incr_count, decr_count)

@@ -43,6 +43,10 @@ class ScalesInUse:
     """The innermost call's scale, or ``None`` outside every call."""
     return self._stack[-1] if self._stack else None
 
+  def current_or(self, stored: Callable[[], jax.Array]) -> jax.Array:
+    """The innermost call's scale, or ``stored()`` (the scaler's) outside every call."""
+    return self._stack[-1] if self._stack else stored()
+
   @contextlib.contextmanager
   def using(self, scale: jax.Array) -> Iterator[None]:
     """Inside, :meth:`current` is ``scale``."""
@@ -56,21 +60,16 @@ class ScalesInUse:
 class ScaledLoss:
   """A loss function whose output is multiplied by a scaler's current scale.
 
-  Returned by ``scaler.scale(loss_fn)``. It is a pytree: its only child is
-  the scale (a float32 scalar, read from the scaler when the pytree is
-  flattened), its static part is ``(fn, scaler, has_aux)``. Passed to a jitted
-  function, it therefore brings the current scale in as a traced argument and
-  compares equal across iterations: a loop compiles once.
+  Returned by ``scaler.scale(loss_fn)``: a pytree (see the module notes)
+  whose child is the scale, read from the scaler when it is flattened (or
+  called outside a trace), and whose static part is ``(fn, scaler,
+  has_aux)``. With ``has_aux=True`` only the loss of ``(loss, aux)`` is scaled.
 
-  Called outside a trace it reads the scaler's scale at call time. With
-  ``has_aux=True`` the function returns ``(loss, aux)`` and only ``loss`` is
-  scaled. Losses in float16/bfloat16 are promoted to float32 first.
-
-  The scaler is any object with a ``_scale_array()`` method returning its
-  current scale as a float32 device scalar. If it also has a ``using_scale``
-  context manager, the call runs inside ``using_scale(scale)``, so that code
-  in ``fn`` that asks the scaler for its scale gets the one ``fn`` is scaled
-  by (traced, inside a jitted backward pass).
+  The scaler (a ``GradScaler``) has a ``_scale_array()`` method returning its
+  current scale as a float32 device scalar, and a ``using_scale`` context
+  manager: the call runs inside ``using_scale(scale)``, so that code in
+  ``fn`` that asks the scaler for its scale gets the one ``fn`` is scaled by
+  (traced, inside a jitted backward pass).
   """
 
   __slots__ = ("fn", "scaler", "has_aux", "_scale")
@@ -91,11 +90,8 @@ class ScaledLoss:
 
   def unscaled(self, *args: Any, **kwargs: Any) -> Any:
     """``fn``'s own output (the loss before scaling), computed as :meth:`__call__` computes it."""
-    using = getattr(self.scaler, "using_scale", None)
-    if using is None:
-      return self.fn(*args, **kwargs)
     # Inside, the scaler's scale() and get_scale() use this (traced) scale.
-    with using(self.scale):
+    with self.scaler.using_scale(self.scale):
       return self.fn(*args, **kwargs)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -117,16 +113,9 @@ class ScaledLoss:
     return f"ScaledLoss({self.fn!r}, has_aux={self.has_aux})"
 
 
-def _flatten_scaled_loss(f: ScaledLoss):
-  return (f.scale,), (f.fn, f.scaler, f.has_aux)
-
-
-def _unflatten_scaled_loss(aux, children) -> ScaledLoss:
-  fn, scaler, has_aux = aux
-  return ScaledLoss(fn, scaler, has_aux, children[0])
-
-
-jax.tree_util.register_pytree_node(ScaledLoss, _flatten_scaled_loss, _unflatten_scaled_loss)
+jax.tree_util.register_pytree_node(
+    ScaledLoss, lambda f: ((f.scale,), (f.fn, f.scaler, f.has_aux)),
+    lambda aux, children: ScaledLoss(*aux, children[0]))
 
 
 class DividedLoss:

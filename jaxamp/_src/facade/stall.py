@@ -1,7 +1,7 @@
 """Reporting a run stuck on skipped steps from the stateful facades, without a host sync per step.
 
 The device state counts the consecutive skipped iterations and sets a ``stalled``
-flag (``LossScaleState.stalled``, ``ScalerState.stalled``). A facade reads that
+flag (``LossScaleState.stalled``). A facade reads that
 flag every ``check_every`` iterations, once the device has computed it, so the
 read never waits. When the flag is set
 it warns (the default), raises, or stays silent, naming the gradient leaves that
@@ -12,10 +12,9 @@ after ``stall_after`` consecutive skips.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import jax
-import jax.numpy as jnp
 
 from jaxamp._src import finite
 from jaxamp._src import validation
@@ -77,11 +76,15 @@ class StallMonitor:
     warnings.warn(message, StallWarning, stacklevel=4)
 
 
-def leaf_names_with_nonfinite(tree: Any) -> list:
-  """The paths (``keystr``) of the floating leaves of ``tree`` that hold inf or nan (a host sync)."""
-  paths = []
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if (jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-        and bool(jax.device_get(finite.nonfinite_mask(leaf).any()))):
-      paths.append(jax.tree_util.keystr(path))
-  return paths
+def nonfinite_grad_leaves(optimizers: list) -> list:
+  """The paths of the gradient leaves holding inf or nan in each optimizer's ``grads`` (a host sync).
+
+  With several optimizers each path is prefixed by the optimizer's position.
+  """
+  names: list[str] = []
+  for i, optimizer in enumerate(optimizers):
+    prefix = f"optimizer {i}: " if len(optimizers) > 1 else ""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(optimizer, "grads", None)):
+      if validation.is_inexact(leaf) and bool(jax.device_get(finite.nonfinite_mask(leaf).any())):
+        names.append(prefix + jax.tree_util.keystr(path))
+  return names

@@ -1,16 +1,12 @@
-"""``jaxamp.GradScaler``: PyTorch's ``torch.amp.GradScaler`` for JAX training loops.
+"""``jaxamp.GradScaler``: PyTorch's ``torch.amp.GradScaler``; ``clip_grad_norm_`` on a holder.
 
-The scaler steps an *optimizer holder*: ``jaxamp.OptimWrapper`` or any object
-with the protocol described in :mod:`jaxamp._src.facade.scaler_core`, which
-also holds the state, the stage bookkeeping and the jitted steps this facade
-shares with the Paddle one. PyTorch's ``scaler.scale(loss).backward()`` is
-spelled ``opt.backward(scaler.scale(loss_fn), batch)``.
+It steps optimizer holders (:mod:`.holder`) and shares its state (:mod:`.scaler_state`) and the
+stages of each optimizer (:mod:`.stages`) with the Paddle facade.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import numbers
 from typing import Any, Optional
 
@@ -23,7 +19,9 @@ from jaxamp._src import state as state_lib
 from jaxamp._src import loss_scale
 from jaxamp._src import outside
 from jaxamp._src import validation
-from jaxamp._src.facade import scaler_core as core
+from jaxamp._src.facade import holder
+from jaxamp._src.facade import scaler_state
+from jaxamp._src.facade.stages import OptState, StageBook
 from jaxamp._src.facade import stall
 from jaxamp._src.facade.errors import AssertionValueError
 from jaxamp._src.facade.errors import NewScaleError
@@ -63,17 +61,13 @@ class GradScaler:
       scaler.step(opt)                            # skipped on inf/nan, no host sync
       scaler.update()
 
-  ``opt`` is a :class:`jaxamp.OptimWrapper` or any object with its protocol:
-  ``params``, ``opt_state``, settable ``grads``, ``backward(loss_fn, *args,
-  has_aux=False, **kwargs)`` (adds the gradients of ``loss_fn(params, *args)``
-  into ``grads``, taking ``loss_fn`` as a jit pytree argument) and
-  ``apply_gradients(grads=None, *, skip=None)`` (one jitted clip + optax
-  update + apply, leaving everything bit-identical when the device boolean
-  ``skip`` is true). A holder that also has ``apply_scaled_gradients(scale)``
-  (unscale, check and apply in one call, returning ``found_inf``), as
-  :class:`jaxamp.OptimWrapper` has, is stepped with it when :meth:`unscale_`
-  was not called: the unscaled gradients are then never written out, and
-  ``opt.grads`` reads them unscaled afterwards, as PyTorch's ``.grad``.
+  ``opt`` is a :class:`jaxamp.OptimWrapper` or any object with its
+  optimizer-holder protocol (``params``, ``opt_state``, settable ``grads``,
+  ``backward``, ``apply_gradients(grads=None, *, skip=None)``; see
+  :mod:`jaxamp._src.facade.holder`). When :meth:`unscale_` was not called,
+  a holder with ``apply_scaled_gradients`` unscales, checks and applies in
+  one call; ``opt.grads`` reads the gradients unscaled afterwards, as
+  PyTorch's ``.grad``.
 
   The update rule is PyTorch's, with the scale arithmetic done as PyTorch
   does it (in float64, rounded to float32)::
@@ -95,36 +89,16 @@ class GradScaler:
   ``update`` before the first ``scale`` (the state is created by the first
   ``scale`` call, as in PyTorch), float16 gradients, an empty state dict.
 
-  Differences from PyTorch:
-
-  * ``step`` always returns ``None``: finding out whether it skipped would
-    need a host sync (PyTorch's optimizers also return ``None`` without a
-    closure). Read ``get_scale()`` or the holder's own state to log skips.
-  * The scale never falls below :data:`jaxamp.DEFAULT_MIN_SCALE` (the
-    smallest normal float32, far below any scale a real run reaches), where
-    PyTorch's slides to 0.0 and corrupts every later step.
-  * Overflow is checked on the unscaled gradients, so a finite gradient
-    that the division by a scale below 1 turns into inf skips the step.
-  * A tracker above ``growth_interval`` (after ``set_growth_interval`` or a
-    loaded state) grows at the next finite step; PyTorch's equality test
-    never grows again.
-  * The setters validate their value (PyTorch's do not) and build a new
-    static rule, so the first ``update()`` after a setter compiles the update
-    function once more (cached per rule: returning to earlier values costs
-    nothing).
-  * ``scale`` promotes float16/bfloat16 losses to float32 before scaling
-    (65536 is not a finite float16). Scaling an array inside your own jitted
-    function would freeze the scale at trace time: pass the loss function
-    instead (``scaler.scale(loss_fn)``), whose scale is a traced argument.
-  * ``device`` is accepted for signature compatibility; the state lives on
-    JAX's default device and ``'cuda'`` does not disable the scaler.
-  * A run whose gradients stay inf or nan at every scale is reported: after
-    ``stall_after`` consecutive skipped iterations (or a skip at the
-    smallest scale) :meth:`update` warns with :class:`jaxamp.StallWarning`,
-    naming the gradient leaves that held inf or nan. It looks every
-    ``stall_check_every`` updates (one host sync per that many iterations).
-    ``on_stall='raise'`` raises :class:`jaxamp.StalledError` instead,
-    ``'ignore'`` stays silent. PyTorch skips silently, forever.
+  What differs from PyTorch, and why, is listed in the porting guide
+  (``docs/porting.md``, "From PyTorch"): ``step`` returns ``None`` (no host
+  sync), the scale has a floor and is checked on the unscaled gradients, the
+  setters validate. A run whose gradients stay inf or nan at every scale is
+  reported: after ``stall_after`` consecutive skipped iterations (or a skip at
+  the smallest scale) :meth:`update` warns with :class:`jaxamp.StallWarning`,
+  naming the gradient leaves that held inf or nan, looking every
+  ``stall_check_every`` updates (one host sync per that many iterations);
+  ``on_stall='raise'`` raises :class:`jaxamp.StalledError` instead,
+  ``'ignore'`` stays silent. PyTorch skips silently, forever.
 
   Args:
     device: a device-type string, accepted and ignored (see above).
@@ -179,14 +153,14 @@ class GradScaler:
     self._backoff_factor = backoff_factor
     self._growth_interval = growth_interval
     self._init_growth_tracker = 0
-    self._state: Optional[core.ScalerState] = None
-    self._stages = core.StageBook()
+    self._state: Optional[state_lib.LossScaleState] = None
+    self._stages = StageBook()
     self._scales_in_use = ScalesInUse()
     self._stall_after = validation.check_count("stall_after", stall_after)
     self._monitor = stall.StallMonitor(on_stall, stall_check_every)
     if self._enabled:
-      growth, backoff = core.check_factor_types(growth_factor=growth_factor,
-                                                backoff_factor=backoff_factor)
+      growth, backoff = scaler_state.check_factors(growth_factor=growth_factor,
+                                                   backoff_factor=backoff_factor)
       if growth <= 1.0:
         raise AssertionValueError("The growth factor must be > 1.0.")
       if backoff >= 1.0:
@@ -210,27 +184,19 @@ class GradScaler:
 
   # -- state ------------------------------------------------------------------------------------
 
-  def _lazy_init_scale_growth_tracker(self) -> core.ScalerState:
+  def _lazy_init_scale_growth_tracker(self) -> state_lib.LossScaleState:
     if self._state is None:
-      self._state = core.make_state(self._init_scale, self._init_growth_tracker)
+      self._state = scaler_state.make_state(self._init_scale, self._init_growth_tracker)
     return self._state
 
-  def _check_scale_growth_tracker(self, funcname: str) -> core.ScalerState:
+  def _check_scale_growth_tracker(self, funcname: str) -> state_lib.LossScaleState:
     if self._state is None:
       raise AssertionError(f"Attempted {funcname} but _scale is None.  " + _NOT_SCALED_FIX)
     return self._state
 
   def _scale_array(self) -> jax.Array:
-    """The scale a loss scaled now is multiplied by, as a device scalar.
-
-    Inside a :class:`ScaledLoss` call, the scale that call multiplies by (a
-    traced argument while the backward pass is compiled); elsewhere the
-    state's (created if needed).
-    """
-    in_use = self._scales_in_use.current()
-    if in_use is not None:
-      return in_use
-    return self._lazy_init_scale_growth_tracker().scale
+    """The scale a loss scaled now is multiplied by: a scaled loss call's, else the state's."""
+    return self._scales_in_use.current_or(lambda: self._lazy_init_scale_growth_tracker().scale)
 
   def using_scale(self, scale: jax.Array) -> contextlib.AbstractContextManager:
     """Inside, :meth:`scale` and :meth:`get_scale` use ``scale`` (a :class:`ScaledLoss` call's)."""
@@ -238,15 +204,12 @@ class GradScaler:
 
   def _current_scale(self, what: str) -> jax.Array:
     """The scale in use, or the state's (refused while tracing: it would be frozen)."""
-    in_use = self._scales_in_use.current()
-    if in_use is not None:
-      return in_use
-    if _tracing():
+    if self._scales_in_use.current() is None and _tracing():
       raise RuntimeError(_FROZEN_FIX.format(what=what))
     return self._scale_array()
 
   @property
-  def state(self) -> Optional[core.ScalerState]:
+  def state(self) -> Optional[state_lib.LossScaleState]:
     """The device state; ``None`` when disabled.
 
     Created by the first access (or the first :meth:`scale`), so that the
@@ -285,18 +248,18 @@ class GradScaler:
     """
     if not self._enabled:
       return outputs
-    if callable(outputs) and not isinstance(outputs, (list, tuple)) and not core.is_array(outputs):
+    if callable(outputs) and not isinstance(outputs, (list, tuple)) and not validation.is_array(outputs):
       self._lazy_init_scale_growth_tracker()
       # Inside a scaled loss being traced, the new function multiplies by that loss's (traced)
       # scale, not by the state's, which the compiled code would freeze.
       in_use = self._scales_in_use.current()
       return ScaledLoss(outputs, self, bool(has_aux), in_use)
     scale = self._current_scale("scale")
-    if core.is_array(outputs):
+    if validation.is_array(outputs):
       return state_lib.multiply_by_scale(outputs, scale)
 
     def apply_scale(val: Any) -> Any:
-      if core.is_array(val):
+      if validation.is_array(val):
         return state_lib.multiply_by_scale(val, scale)
       if isinstance(val, (list, tuple)):
         items = [apply_scale(v) for v in val]
@@ -332,10 +295,10 @@ class GradScaler:
       return
     state = self._check_scale_growth_tracker("unscale_")
     record = self._stages.check_unscale(optimizer)
-    found_inf = core.unscale_grads(optimizer, state.scale, allow_float16=False)
+    found_inf = holder.unscale_grads(optimizer, state.scale, allow_float16=False)
     if found_inf is not None:
       record.found_inf = found_inf
-    record.stage = core.OptState.UNSCALED
+    record.stage = OptState.UNSCALED
 
   def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
     """Unscales (unless :meth:`unscale_` did) and applies the gradients unless one is inf/nan.
@@ -359,13 +322,13 @@ class GradScaler:
       raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
     state = self._check_scale_growth_tracker("step")
     record = self._stages.check_step(optimizer)
-    if record.stage is core.OptState.READY and not args and not kwargs:
-      found_inf = core.fused_step(optimizer, state.scale, allow_float16=False)
+    if record.stage is OptState.READY and not args and not kwargs:
+      found_inf = holder.fused_step(optimizer, state.scale, allow_float16=False)
       if found_inf is not None:
-        record.found_inf, record.stage = found_inf, core.OptState.STEPPED
+        record.found_inf, record.stage = found_inf, OptState.STEPPED
         return None
-    if record.stage is core.OptState.READY:
-      if core.holder_grads_empty(optimizer):
+    if record.stage is OptState.READY:
+      if not holder.holds_grads(optimizer):
         # Refused before anything is recorded: the optimizer stays READY, so the next
         # iteration works (PyTorch leaves it UNSCALED, and every later step raises).
         raise AssertionError("No inf checks were recorded for this optimizer.")
@@ -373,7 +336,7 @@ class GradScaler:
     if record.found_inf is None:
       raise AssertionError("No inf checks were recorded for this optimizer.")
     optimizer.apply_gradients(*args, skip=record.found_inf, **kwargs)
-    record.stage = core.OptState.STEPPED
+    record.stage = OptState.STEPPED
     return None
 
   def update(self, new_scale: Any = None) -> None:
@@ -405,33 +368,28 @@ class GradScaler:
       return
     state = self._check_scale_growth_tracker("update")
     if new_scale is not None:
-      if core.is_array(new_scale):
-        if np.size(new_scale) != 1:
-          raise NewScaleError(_NEW_SCALE_REASON)
-        value = jnp.asarray(outside.scale("new_scale", new_scale, self._rule.min_scale,
-                                          self._rule.max_scale), jnp.float32)
-      elif isinstance(new_scale, float):
-        value = jnp.asarray(outside.scale("new_scale", new_scale, self._rule.min_scale,
-                                          self._rule.max_scale), jnp.float32)
-      else:
+      if validation.is_array(new_scale) and np.size(new_scale) != 1:
+        raise NewScaleError(_NEW_SCALE_REASON)
+      if not (validation.is_array(new_scale) or isinstance(new_scale, float)):
         raise NewScaleError(_NEW_SCALE_REASON + f" Got {new_scale!r} of type "
                             f"{type(new_scale).__name__}.")
-      self._state = state._replace(scale=value)
+      value = outside.scale("new_scale", new_scale, self._rule.min_scale, self._rule.max_scale)
+      self._state = state._replace(scale=jnp.asarray(value, jnp.float32))
     else:
       found_infs = self._stages.found_infs()
       if not found_infs:
         raise AssertionError("No inf checks were recorded prior to update.")
-      self._state, _ = core.update_fn(self._rule, self._stall_after)(state, found_infs)
+      self._state, _ = scaler_state.update_fn(self._rule, self._stall_after)(state, found_infs)
       optimizers = self._stages.optimizers()
       self._monitor.after_step(self._state.stalled, self._state.skip_streak,
-                               lambda: core.nonfinite_grad_leaves(optimizers))
+                               lambda: stall.nonfinite_grad_leaves(optimizers))
     self._stages.reset()
 
   def step_metrics(self) -> dict:
     """:func:`jaxamp.step_metrics`: the scale and the skip counters, as device scalars."""
     if not self._enabled:
       raise ValueError("step_metrics needs loss scaling: this GradScaler is disabled")
-    return core.metrics(self._lazy_init_scale_growth_tracker())
+    return state_lib.step_metrics(self._lazy_init_scale_growth_tracker())
 
   # -- getters and setters ----------------------------------------------------------------------
 
@@ -534,10 +492,9 @@ class GradScaler:
     """
     if not self._enabled:
       return
-    outside.mapping("state_dict", state_dict)
-    core.require_nonempty(state_dict, "The source state dict is empty, possibly because it was "
-                          "saved from a disabled instance of GradScaler.")
-    outside.keys("state_dict", state_dict, _STATE_KEYS)
+    scaler_state.checked_state_dict(state_dict, _STATE_KEYS, "The source state dict is empty, "
+                                    "possibly because it was saved from a disabled instance of "
+                                    "GradScaler.")
     growth_factor = state_dict["growth_factor"]
     backoff_factor = state_dict["backoff_factor"]
     growth_interval = state_dict["growth_interval"]
@@ -552,17 +509,10 @@ class GradScaler:
     self._init_scale = scale
     self._init_growth_tracker = tracker
     if self._state is not None:
-      self._state = core.make_state(scale, tracker, self._state.overflow_count)
+      self._state = scaler_state.make_state(scale, tracker, self._state.overflow_count)
 
 
-@functools.partial(jax.jit, static_argnames="norm_type")
-def _clip_by_total_norm(grads: Any, max_norm: jax.Array, norm_type: float) -> tuple[Any, jax.Array]:
-  norm = clipping.total_grad_norm(grads, norm_type)
-  coef = jnp.minimum(max_norm / (norm + jnp.float32(1e-6)), jnp.float32(1.0))
-  clipped = jax.tree.map(
-      lambda g: (g.astype(jnp.float32) * coef).astype(g.dtype)
-      if jnp.issubdtype(g.dtype, jnp.inexact) else g, grads)
-  return clipped, norm
+_clip_by_total_norm = jax.jit(clipping.clip_by_total_norm, static_argnames="order")
 
 
 def clip_grad_norm_(optimizer: Any, max_norm: float, norm_type: float | str = 2.0,

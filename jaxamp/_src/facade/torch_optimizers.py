@@ -7,7 +7,7 @@ momentum step, amsgrad on the raw second moment). :data:`TORCH_OPTIMIZERS`
 describes each one as ``build_optim_wrapper`` takes it: PyTorch's defaults,
 the keys that select code (fixed at construction), PyTorch's argument checks
 and messages, and how each hyperparameter is read and written in the
-``optax.inject_hyperparams`` state (:mod:`.mmengine.hyperparams`).
+``optax.inject_hyperparams`` state (:mod:`.hyperparam_codecs`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._src import validation
-from jaxamp._src.facade.mmengine import hyperparams as hp
+from jaxamp._src.facade import hyperparam_codecs as hp
 
 # -------------------------------------------------------------------------------------------------
 # The update rules.
@@ -79,6 +79,18 @@ def _prepare_grad(g, p, weight_decay, maximize: bool, coupled: bool):
   return g
 
 
+def _per_leaf(fn: Callable[..., tuple], n_out: int, grads: Any, *trees: Any) -> List[Any]:
+  """``fn`` leaf by leaf over ``grads`` and ``trees`` (``None``: no tree, ``None`` leaves).
+
+  Returns its ``n_out`` outputs, each as a tree shaped like ``grads``.
+  """
+  treedef: Any
+  g_leaves, treedef = jax.tree.flatten(grads)
+  columns = [[None] * len(g_leaves) if t is None else treedef.flatten_up_to(t) for t in trees]
+  outs = [fn(*leaves) for leaves in zip(g_leaves, *columns)]
+  return [jax.tree.unflatten(treedef, [o[i] for o in outs]) for i in range(n_out)]
+
+
 def _zeros(params: Any) -> Any:
   return jax.tree.map(jnp.zeros_like, params)
 
@@ -100,25 +112,21 @@ def torch_sgd(learning_rate, momentum=0.0, dampening=0.0, weight_decay=0.0, nest
 
   def update_fn(grads, state, params=None):
     _need_params(params, "SGD")
-    g_leaves, treedef = jax.tree.flatten(grads)
-    p_leaves = treedef.flatten_up_to(params)
-    b_leaves = treedef.flatten_up_to(state.momentum_buffer) if buffered else [None] * len(g_leaves)
     first = state.count == 0
-    updates, buffers = [], []
-    for g, p, buf in zip(g_leaves, p_leaves, b_leaves):
+
+    def leaf(g, p, buf):
       g = _prepare_grad(g, p, weight_decay, maximize, True)
-      lr = _like(learning_rate, g)
       if buffered:
         m = _like(momentum, g)
         moved = m * buf + (1 - _like(dampening, g)) * g
-        new_buf = jnp.where(m != 0, jnp.where(first, g, moved), buf)
-        direction = g + m * new_buf if nesterov else new_buf
-        g = jnp.where(m != 0, direction, g)
-        buffers.append(new_buf)
-      updates.append(-lr * g)
-    new_buffers = jax.tree.unflatten(treedef, buffers) if buffered else ()
-    return (jax.tree.unflatten(treedef, updates),
-            TorchSGDState(optax.safe_increment(state.count), new_buffers))
+        buf = jnp.where(m != 0, jnp.where(first, g, moved), buf)
+        g = jnp.where(m != 0, g + m * buf if nesterov else buf, g)
+      return -_like(learning_rate, g) * g, buf
+
+    updates, buffers = _per_leaf(leaf, 2, grads, params,
+                                 state.momentum_buffer if buffered else None)
+    return updates, TorchSGDState(optax.safe_increment(state.count),
+                                  buffers if buffered else ())
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -155,34 +163,23 @@ def torch_adam(learning_rate, one_minus_b1, one_minus_b2, eps, weight_decay, ams
     c2 = jnp.asarray(one_minus_b2, jnp.float32)
     step_size = jnp.asarray(learning_rate, jnp.float32) / _bias_correction(c1, t)
     bc2_sqrt = jnp.sqrt(_bias_correction(c2, t))
-    g_leaves, treedef = jax.tree.flatten(grads)
-    p_leaves = treedef.flatten_up_to(params)
-    m_leaves = treedef.flatten_up_to(state.exp_avg)
-    v_leaves = treedef.flatten_up_to(state.exp_avg_sq)
-    x_leaves = treedef.flatten_up_to(state.max_exp_avg_sq) if amsgrad else [None] * len(g_leaves)
-    outs = {"u": [], "m": [], "v": [], "x": []}
-    for g, p, m, v, vmax in zip(g_leaves, p_leaves, m_leaves, v_leaves, x_leaves):
+
+    def leaf(g, p, m, v, vmax):
       g = _prepare_grad(g, p, weight_decay, maximize, not decoupled)
       m = m + _like(c1, g) * (g - m)
       v = v * (1 - _like(c2, g)) + (_like(c2, g) * g) * g
       if amsgrad:
         vmax = jnp.maximum(vmax, v)
-        outs["x"].append(vmax)
-        root = jnp.sqrt(vmax)
-      else:
-        root = jnp.sqrt(v)
-      denom = root / _like(bc2_sqrt, g) + _like(eps, g)
+      denom = jnp.sqrt(vmax if amsgrad else v) / _like(bc2_sqrt, g) + _like(eps, g)
       update = (-_like(step_size, g) * m) / denom
       if decoupled:
-        lr = _like(learning_rate, g)
-        decayed = p.astype(g.dtype) * (1 - lr * _like(weight_decay, g))
+        decayed = p.astype(g.dtype) * (1 - _like(learning_rate, g) * _like(weight_decay, g))
         update = (decayed + update) - p.astype(g.dtype)
-      outs["u"].append(update)
-      outs["m"].append(m)
-      outs["v"].append(v)
-    unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
-    return unflat(outs["u"]), TorchAdamState(count, unflat(outs["m"]), unflat(outs["v"]),
-                                             unflat(outs["x"]) if amsgrad else ())
+      return update, m, v, vmax
+
+    updates, m, v, vmax = _per_leaf(leaf, 4, grads, params, state.exp_avg, state.exp_avg_sq,
+                                    state.max_exp_avg_sq if amsgrad else None)
+    return updates, TorchAdamState(count, m, v, vmax if amsgrad else ())
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -204,37 +201,29 @@ def torch_rmsprop(learning_rate, one_minus_alpha, eps, weight_decay, momentum, c
 
   def update_fn(grads, state, params=None):
     _need_params(params, "RMSprop")
-    g_leaves, treedef = jax.tree.flatten(grads)
-    n = len(g_leaves)
-    p_leaves = treedef.flatten_up_to(params)
-    s_leaves = treedef.flatten_up_to(state.square_avg)
-    b_leaves = treedef.flatten_up_to(state.momentum_buffer) if buffered else [None] * n
-    a_leaves = treedef.flatten_up_to(state.grad_avg) if centered else [None] * n
-    outs = {"u": [], "s": [], "b": [], "a": []}
-    for g, p, sq, buf, ga in zip(g_leaves, p_leaves, s_leaves, b_leaves, a_leaves):
+
+    def leaf(g, p, sq, buf, ga):
       g = _prepare_grad(g, p, weight_decay, maximize, True)
-      ca = _like(one_minus_alpha, g)
-      lr = _like(learning_rate, g)
+      ca, lr = _like(one_minus_alpha, g), _like(learning_rate, g)
       sq = sq * (1 - ca) + (ca * g) * g
       if centered:
         ga = ga + ca * (g - ga)
-        outs["a"].append(ga)
         avg = jnp.sqrt(sq - ga * ga)
       else:
         avg = jnp.sqrt(sq)
       avg = avg + _like(eps, g)
-      plain = (-lr * g) / avg
+      update = (-lr * g) / avg
       if buffered:
         m = _like(momentum, g)
-        new_buf = jnp.where(m > 0, buf * m + g / avg, buf)
-        outs["b"].append(new_buf)
-        plain = jnp.where(m > 0, -lr * new_buf, plain)
-      outs["u"].append(plain)
-      outs["s"].append(sq)
-    unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
-    return unflat(outs["u"]), TorchRMSpropState(
-        optax.safe_increment(state.count), unflat(outs["s"]),
-        unflat(outs["b"]) if buffered else (), unflat(outs["a"]) if centered else ())
+        buf = jnp.where(m > 0, buf * m + g / avg, buf)
+        update = jnp.where(m > 0, -lr * buf, update)
+      return update, sq, buf, ga
+
+    updates, sq, buf, ga = _per_leaf(leaf, 4, grads, params, state.square_avg,
+                                     state.momentum_buffer if buffered else None,
+                                     state.grad_avg if centered else None)
+    return updates, TorchRMSpropState(optax.safe_increment(state.count), sq,
+                                      buf if buffered else (), ga if centered else ())
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -260,18 +249,14 @@ def torch_adagrad(learning_rate, lr_decay, weight_decay, eps, initial_accumulato
     t = count.astype(jnp.float32)
     clr = jnp.asarray(learning_rate, jnp.float32) / (
         1 + (t - 1) * jnp.asarray(lr_decay, jnp.float32))
-    g_leaves, treedef = jax.tree.flatten(grads)
-    p_leaves = treedef.flatten_up_to(params)
-    s_leaves = treedef.flatten_up_to(state.state_sum)
-    updates, sums = [], []
-    for g, p, s in zip(g_leaves, p_leaves, s_leaves):
+
+    def leaf(g, p, s):
       g = _prepare_grad(g, p, weight_decay, maximize, True)
       s = s + g * g
-      std = jnp.sqrt(s) + _like(eps, g)
-      updates.append((-_like(clr, g) * g) / std)
-      sums.append(s)
-    return (jax.tree.unflatten(treedef, updates),
-            TorchAdagradState(count, jax.tree.unflatten(treedef, sums)))
+      return (-_like(clr, g) * g) / (jnp.sqrt(s) + _like(eps, g)), s
+
+    updates, sums = _per_leaf(leaf, 2, grads, params, state.state_sum)
+    return updates, TorchAdagradState(count, sums)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -283,43 +268,24 @@ def torch_adagrad(learning_rate, lr_decay, weight_decay, eps, initial_accumulato
 _IGNORED = ("foreach", "differentiable", "fused", "capturable")
 
 
-def _check_common(cfg: dict) -> None:
-  if not 0.0 <= cfg["lr"]:
-    raise ValueError(f"Invalid learning rate: {cfg['lr']}")
-  if "eps" in cfg and not 0.0 <= cfg["eps"]:
-    raise ValueError(f"Invalid epsilon value: {cfg['eps']}")
-  if "momentum" in cfg and not 0.0 <= cfg["momentum"]:
-    raise ValueError(f"Invalid momentum value: {cfg['momentum']}")
-  if not 0.0 <= cfg["weight_decay"]:
-    raise ValueError(f"Invalid weight_decay value: {cfg['weight_decay']}")
+# PyTorch's range checks of the arguments that must be >= 0, in the order they run, with the names
+# its messages give them.
+_NON_NEGATIVE = {"lr": "learning rate", "eps": "epsilon value", "momentum": "momentum value",
+                 "weight_decay": "weight_decay value", "alpha": "alpha value",
+                 "lr_decay": "lr_decay value",
+                 "initial_accumulator_value": "initial_accumulator_value value"}
 
 
-def _check_sgd(cfg: dict) -> None:
-  _check_common(cfg)
-  if cfg["nesterov"] and (cfg["momentum"] <= 0 or cfg["dampening"] != 0):
+def _check(cfg: dict) -> None:
+  """PyTorch's range checks of the resolved arguments of any of its optimizers (its messages)."""
+  for key, label in _NON_NEGATIVE.items():
+    if key in cfg and not 0.0 <= cfg[key]:
+      raise ValueError(f"Invalid {label}: {cfg[key]}")
+  if cfg.get("nesterov") and (cfg["momentum"] <= 0 or cfg["dampening"] != 0):
     raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-
-
-def _check_adam(cfg: dict) -> None:
-  _check_common(cfg)
-  for i, beta in enumerate(cfg["betas"]):
+  for i, beta in enumerate(cfg.get("betas", ())):
     if not 0.0 <= beta < 1.0:
       raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
-
-
-def _check_rmsprop(cfg: dict) -> None:
-  _check_common(cfg)
-  if not 0.0 <= cfg["alpha"]:
-    raise ValueError(f"Invalid alpha value: {cfg['alpha']}")
-
-
-def _check_adagrad(cfg: dict) -> None:
-  _check_common(cfg)
-  if not 0.0 <= cfg["lr_decay"]:
-    raise ValueError(f"Invalid lr_decay value: {cfg['lr_decay']}")
-  if not 0.0 <= cfg["initial_accumulator_value"]:
-    raise ValueError("Invalid initial_accumulator_value value: "
-                     f"{cfg['initial_accumulator_value']}")
 
 
 def _betas(value: Any) -> Tuple[float, float]:
@@ -330,13 +296,12 @@ def _betas(value: Any) -> Tuple[float, float]:
 
 @dataclasses.dataclass(frozen=True)
 class TorchOptimizer:
-  """One PyTorch optimizer: its defaults, fixed (code-selecting) keys, checks and factory.
+  """One PyTorch optimizer: its defaults, fixed (code-selecting) keys and factory.
 
   Attributes:
     name: PyTorch's class name (``'AdamW'``).
     defaults: PyTorch's constructor defaults, by argument name.
     fixed: the arguments that select code, fixed at construction.
-    check: PyTorch's range checks of the resolved arguments.
     build: resolved arguments -> the injected optax transformation.
     codecs: resolved arguments -> how each settable hyperparameter is
       stored in the injected state.
@@ -345,7 +310,6 @@ class TorchOptimizer:
   name: str
   defaults: Dict[str, Any]
   fixed: Tuple[str, ...]
-  check: Callable[[dict], None]
   build: Callable[[dict], optax.GradientTransformation]
   codecs: Callable[[dict], Dict[str, hp.HyperparamCodec]]
 
@@ -372,7 +336,7 @@ class TorchOptimizer:
                     else validation.check_bool(key, value))
       else:
         out[key] = validation.check_real(key, value)
-    self.check(out)
+    _check(out)
     return out
 
 
@@ -451,22 +415,20 @@ TORCH_OPTIMIZERS: Dict[str, TorchOptimizer] = {
     "SGD": TorchOptimizer(
         "SGD", dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
                     maximize=False),
-        ("nesterov", "maximize"), _check_sgd, _sgd_build, _sgd_codecs),
+        ("nesterov", "maximize"), _sgd_build, _sgd_codecs),
     "Adam": TorchOptimizer(
         "Adam", dict(_ADAM_DEFAULTS, decoupled_weight_decay=False),
-        ("amsgrad", "maximize", "decoupled_weight_decay"), _check_adam, _adam_build(False),
-        _adam_codecs),
+        ("amsgrad", "maximize", "decoupled_weight_decay"), _adam_build(False), _adam_codecs),
     "AdamW": TorchOptimizer(
-        "AdamW", dict(_ADAM_DEFAULTS, weight_decay=1e-2), ("amsgrad", "maximize"), _check_adam,
+        "AdamW", dict(_ADAM_DEFAULTS, weight_decay=1e-2), ("amsgrad", "maximize"),
         _adam_build(True), _adam_codecs),
     "RMSprop": TorchOptimizer(
         "RMSprop", dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
                         centered=False, maximize=False),
-        ("centered", "maximize"), _check_rmsprop, _rmsprop_build, _rmsprop_codecs),
+        ("centered", "maximize"), _rmsprop_build, _rmsprop_codecs),
     "Adagrad": TorchOptimizer(
         "Adagrad", dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
                         eps=1e-10, maximize=False),
-        ("initial_accumulator_value", "maximize"), _check_adagrad, _adagrad_build,
-        _adagrad_codecs),
+        ("initial_accumulator_value", "maximize"), _adagrad_build, _adagrad_codecs),
 }
 

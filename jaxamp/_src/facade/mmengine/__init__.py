@@ -1,17 +1,5 @@
-"""mmengine's optimizer wrappers for optax, one concept per module.
+"""mmengine's optimizer wrappers for optax, one concept per module (``docs/design.md`` maps them).
 
-* :mod:`.optim_wrapper`: ``OptimWrapper`` (accumulation, clipping, the
-  jitted steps, the optimizer-holder protocol the scalers step);
-* :mod:`.amp_optim_wrapper`: ``AmpOptimWrapper`` (loss scaling, compute dtype);
-* :mod:`.optim_wrapper_dict`: ``OptimWrapperDict`` (named wrappers);
-* :mod:`.counting`: mmengine's accumulation counters and loss factors;
-* :mod:`.clip`: ``clip_grad`` parsing;
-* :mod:`.hyperparams`: PyTorch-named hyperparameters in optax's injected
-  state, parameter groups;
-* :mod:`.jit_args`: the static/dynamic split of a loss-function call;
-* :mod:`.sharding_pins`: outputs kept on the parameters' shardings;
-* :mod:`.trees`: leaf names and checks of user pytrees.
-
-Dependencies point down this list's reverse: the wrappers use the rooms
-below them, never the other way round.
+The wrappers (``optim_wrapper``, ``amp_optim_wrapper``, ``optim_wrapper_dict``) use the rooms below
+them (counting, clip, param_groups, jit_args, sharding_pins, trees), never the other way round.
 """

@@ -1,14 +1,7 @@
-"""mmengine's ``AmpOptimWrapper``: the ``OptimWrapper`` with loss scaling and a compute dtype.
-
-Its transformation is ``dynamic_loss_scale(chain(clip, optimizer))`` (or
-``static_loss_scale`` for a float ``loss_scale``): the scale lives in the
-optax state, beside the optimizer's, and the scaler's state dict is
-PyTorch's ``GradScaler`` format.
-"""
+"""mmengine's ``AmpOptimWrapper``: the ``OptimWrapper`` with loss scaling and a compute dtype."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
@@ -39,16 +32,14 @@ _SCALER_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interv
 
 @dataclasses.dataclass(frozen=True)
 class ScalerConfig:
-  """A validated ``loss_scale``: ``kind`` is ``'dynamic'``, ``'static'`` or ``'disabled'``."""
+  """A validated ``loss_scale``: ``kind`` is ``'dynamic'``, ``'static'`` or ``'disabled'``.
 
-  kind: str  # 'dynamic', 'static' or 'disabled'
+  ``rule`` is the dynamic rule (PyTorch's defaults unless given; unused when static).
+  """
+
+  kind: str
   init_scale: float = 2.0**16
-  growth_factor: float = 2.0
-  backoff_factor: float = 0.5
-  growth_interval: int = 2000
-  hysteresis: int = 1
-  min_scale: Optional[float] = None
-  max_scale: Optional[float] = None
+  rule: ls.ScaleRule = ls.ScaleRule()
 
 
 def parse_loss_scale(loss_scale: Any) -> ScalerConfig:
@@ -72,12 +63,8 @@ def parse_loss_scale(loss_scale: Any) -> ScalerConfig:
     ls.dynamic_loss_scale(optax.identity(), **merged)
     if not enabled:
       return ScalerConfig("disabled")
-    return ScalerConfig("dynamic", init_scale=float(merged["init_scale"]),
-                         growth_factor=float(merged["growth_factor"]),
-                         backoff_factor=float(merged["backoff_factor"]),
-                         growth_interval=int(merged["growth_interval"]),
-                         hysteresis=int(merged.get("hysteresis", 1)),
-                         min_scale=merged.get("min_scale"), max_scale=merged.get("max_scale"))
+    init_scale = float(merged.pop("init_scale"))
+    return ScalerConfig("dynamic", init_scale, ls.make_rule(**merged))
   raise TypeError(f'loss_scale must be of type float, dict, or "dynamic", but got {loss_scale}')
 
 
@@ -187,10 +174,8 @@ class AmpOptimWrapper(OptimWrapper):
   def _parse_dtype(self, dtype: Any) -> Optional[jnp.dtype]:
     if dtype is None:
       return None
-    if isinstance(dtype, str):
-      if dtype not in self.valid_dtypes:
-        raise AssertionValueError(f"dtype should be any of {self.valid_dtypes}, got {dtype}")
-      return policy_lib.canonical_dtype(dtype)
+    if isinstance(dtype, str) and dtype not in self.valid_dtypes:
+      raise AssertionValueError(f"dtype should be any of {self.valid_dtypes}, got {dtype}")
     try:
       return policy_lib.canonical_dtype(dtype)
     except (TypeError, ValueError):
@@ -201,17 +186,18 @@ class AmpOptimWrapper(OptimWrapper):
   # -- transformation --------------------------------------------------------------------------
 
   def _build_transformation(self) -> optax.GradientTransformation:
-    inner = self._inner_transformation()
+    inner = super()._build_transformation()
     cfg = self._scaler
     if cfg.kind == "disabled":
       return inner
     if cfg.kind == "static":
       return ls.static_loss_scale(inner, cfg.init_scale, stall_after=self._stall_after,
                                   on_stall="ignore")  # the wrapper reports stalls itself
+    rule = cfg.rule
     return ls.dynamic_loss_scale(
-        inner, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
-        backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval,
-        hysteresis=cfg.hysteresis, min_scale=cfg.min_scale, max_scale=cfg.max_scale,
+        inner, init_scale=cfg.init_scale, growth_factor=rule.growth_factor,
+        backoff_factor=rule.backoff_factor, growth_interval=rule.growth_interval,
+        hysteresis=rule.hysteresis, min_scale=rule.min_scale, max_scale=rule.max_scale,
         stall_after=self._stall_after, on_stall="ignore")  # the wrapper reports stalls itself
 
   def _commit_step(self, params: Any, state: Any, norm: Optional[jax.Array]) -> None:
@@ -252,29 +238,6 @@ class AmpOptimWrapper(OptimWrapper):
       raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
     super().step(closure)
 
-  def backward(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
-               **kwargs: Any) -> Any:
-    """Adds the gradients of the scaled loss ``loss_fn(params, ...) * scale`` to :attr:`grads`.
-
-    The loss is computed in the compute ``dtype``; the returned loss is the
-    unscaled one (float32 when a ``dtype`` is set).
-    """
-    return self._run_backward(loss_fn, args, kwargs, has_aux, 1.0)
-
-  @contextlib.contextmanager
-  def optim_context(self, model: Any = None):
-    """As :meth:`OptimWrapper.optim_context`; yields the cast to the compute ``dtype``.
-
-    JAX has no global autocast: ``backward`` and ``update_params`` always
-    run the loss in the compute dtype; inside the context, user code casts
-    what it computes itself with the yielded function::
-
-      with wrapper.optim_context() as cast:
-        logits = model.apply(cast(params), cast(x))
-    """
-    with super().optim_context(model) as cast:
-      yield cast
-
   # -- loss scale ------------------------------------------------------------------------------
 
   @property
@@ -296,11 +259,12 @@ class AmpOptimWrapper(OptimWrapper):
   def _scaler_state_dict(self) -> dict:
     if not self._scaling:
       return {}
-    cfg = self._scaler
-    out = {"scale": float(self._state.scale), "growth_factor": float(cfg.growth_factor),
-           "backoff_factor": float(cfg.backoff_factor), "growth_interval": int(cfg.growth_interval),
+    rule = self._scaler.rule
+    out = {"scale": float(self._state.scale), "growth_factor": float(rule.growth_factor),
+           "backoff_factor": float(rule.backoff_factor),
+           "growth_interval": int(rule.growth_interval),
            "_growth_tracker": int(self._state.growth_tracker)}
-    if cfg.hysteresis > 1:
+    if rule.hysteresis > 1:
       out["_hysteresis_tracker"] = int(self._state.overflow_count)
     return out
 
@@ -334,11 +298,10 @@ class AmpOptimWrapper(OptimWrapper):
     if cfg.kind == "dynamic":
       rule = ls.make_rule(growth_factor=scaler["growth_factor"],
                           backoff_factor=scaler["backoff_factor"],
-                          growth_interval=scaler["growth_interval"], hysteresis=cfg.hysteresis,
-                          min_scale=cfg.min_scale, max_scale=cfg.max_scale)
-      new_cfg = dataclasses.replace(cfg, growth_factor=rule.growth_factor,
-                                    backoff_factor=rule.backoff_factor,
-                                    growth_interval=rule.growth_interval)
+                          growth_interval=scaler["growth_interval"],
+                          hysteresis=cfg.rule.hysteresis, min_scale=cfg.rule.min_scale,
+                          max_scale=cfg.rule.max_scale)
+      new_cfg = dataclasses.replace(cfg, rule=rule)
       scale = outside.scale("state_dict['loss_scaler']['scale']", scaler["scale"],
                             rule.min_scale, rule.max_scale)
     else:
@@ -362,7 +325,6 @@ class AmpOptimWrapper(OptimWrapper):
       raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     state_dict = dict(state_dict)
     scaler = state_dict.pop("loss_scaler", None)
-    state_dict.pop("base_param_settings", None)
     install = None if scaler is None else self._prepare_scaler_load(scaler)
     commit_optimizer = super()._prepare_load(state_dict)
 
@@ -372,16 +334,4 @@ class AmpOptimWrapper(OptimWrapper):
         self._state = install(self._state)
 
     return commit
-
-  def load_state_dict(self, state_dict: dict) -> None:
-    """Loads the optimizer state and, when present, ``'loss_scaler'`` (PyTorch's format).
-
-    A state dict without ``'loss_scaler'`` loads the optimizer only.
-    Everything is validated before anything changes.
-
-    Raises:
-      RuntimeError: an empty ``'loss_scaler'`` (PyTorch's message).
-      ValueError: see :meth:`OptimWrapper.load_state_dict`; scaler keys.
-    """
-    self._prepare_load(state_dict)()
 

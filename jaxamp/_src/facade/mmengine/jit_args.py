@@ -53,24 +53,13 @@ class StaticLeaf:
       return False
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class CallSpec:
   """The static part of ``loss_fn(params, *args, **kwargs)``: tree structure and non-array leaves."""
 
   treedef: Any
   statics: Tuple[Optional[StaticLeaf], ...]
   has_aux: bool
-
-  def __post_init__(self):
-    object.__setattr__(self, "_hash", hash((self.treedef, self.statics, self.has_aux)))
-
-  def __hash__(self) -> int:
-    return self._hash  # type: ignore[attr-defined]
-
-  def __eq__(self, other: Any) -> bool:
-    return (isinstance(other, CallSpec) and self._hash == other._hash  # type: ignore[attr-defined]
-            and self.has_aux == other.has_aux and self.treedef == other.treedef
-            and self.statics == other.statics)
 
 
 def split_call(loss_fn: Any, args: tuple, kwargs: dict, has_aux: bool):

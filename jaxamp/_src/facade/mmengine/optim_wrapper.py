@@ -1,13 +1,8 @@
 """mmengine's ``OptimWrapper`` for optax: accumulation, clipping, one call per iteration.
 
-The wrapper is thin: it holds a pytree (parameters, the optax state,
-accumulated gradients) and Python counters (:mod:`.counting`), and calls
-jitted functions built from the functional core
-(:func:`jaxamp.clip_grad_norm`, optax; :func:`jaxamp.dynamic_loss_scale` in
-:class:`~jaxamp.AmpOptimWrapper`). Its rooms: the static/dynamic split of a
-loss-function call (:mod:`.jit_args`), ``clip_grad`` (:mod:`.clip`),
-hyperparameters and parameter groups (:mod:`.hyperparams`), sharding pins
-(:mod:`.sharding_pins`), pytree names and checks (:mod:`.trees`).
+The wrapper holds a pytree (parameters, the optax state, accumulated gradients) and Python
+counters (:mod:`.counting`), and steps them through jitted functions built from the functional
+core; its other rooms are the modules beside this one.
 """
 
 from __future__ import annotations
@@ -31,7 +26,8 @@ from jaxamp._src import clipping
 from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.facade.errors import AssertionTypeError
-from jaxamp._src.facade.mmengine import hyperparams as hp
+from jaxamp._src.facade import hyperparam_codecs as hc
+from jaxamp._src.facade.mmengine import param_groups as pg
 from jaxamp._src.facade.mmengine import sharding_pins
 from jaxamp._src.facade.mmengine import trees
 from jaxamp._src.facade.mmengine.clip import parse_clip_grad
@@ -100,26 +96,14 @@ def has_batch_norm(model: Any) -> bool:
   """Whether ``model`` (any pytree or object) seems to hold BatchNorm layers (mmengine warns)."""
   if model is None:
     return False
-  found = []
-
-  def is_leaf(x):
-    if "batchnorm" in type(x).__name__.lower():
-      found.append(x)
-      return True
-    return False
-
+  is_norm = lambda x: "batchnorm" in type(x).__name__.lower()  # noqa: E731
   try:
-    paths = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_leaf)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_norm)[0]
   except Exception:  # noqa: BLE001 (a model that is no pytree has no BatchNorm we can see)
     return False
-  if found:
-    return True
-  for path, _ in paths:
-    for part in trees.path_parts(path):
-      low = part.lower()
-      if "batchnorm" in low or "batch_norm" in low or low == "batch_stats":
-        return True
-  return False
+  names = [part.lower() for path, _ in leaves for part in trees.path_parts(path)]
+  return (any(is_norm(leaf) for _, leaf in leaves)
+          or any("batchnorm" in n or "batch_norm" in n or n == "batch_stats" for n in names))
 
 
 class OptimWrapper:
@@ -152,24 +136,11 @@ class OptimWrapper:
   remainder window after :meth:`initialize_count_status`. Calling past
   ``max_counts`` raises a clear error (mmengine divides by zero there).
 
-  **The optimizer protocol** (used by :class:`jaxamp.GradScaler`, which
-  accepts any object exposing it):
-
-  * ``params``: the current parameters (a pytree of arrays; settable).
-  * ``opt_state``: the state of ``optimizer`` (the clipping state and, for
-    :class:`AmpOptimWrapper`, the loss-scale state are kept beside it).
-  * ``grads``: the accumulated gradients, ``None`` after :meth:`zero_grad`;
-    assignable with a pytree of the params' structure, shapes and dtypes.
-  * ``backward(loss_fn, *args, has_aux=False, **kwargs)``: adds the
-    gradients of ``loss_fn(params, ...)`` to ``grads``; returns the loss.
-  * ``apply_gradients(grads=None, *, skip=None)``: one jitted call that
-    clips (recording the norm before clipping), runs the optimizer and
-    applies the updates. With ``skip``, a device boolean scalar, the
-    parameters and ``opt_state`` stay bit-identical where it is true: a
-    selection on the device, no host sync.
-  * ``apply_scaled_gradients(scale)``: divides ``grads`` by a loss scale,
-    checks them and applies them unless one is inf/nan, in one jitted call
-    (what the scalers' ``step`` uses).
+  **The optimizer-holder protocol** that :class:`jaxamp.GradScaler` and
+  ``jaxamp.paddle.GradScaler`` step (:mod:`jaxamp._src.facade.holder`):
+  :attr:`params`, :attr:`opt_state`, :attr:`grads`, :meth:`backward`,
+  :meth:`apply_gradients` (with a device ``skip`` flag) and
+  :meth:`apply_scaled_gradients`.
 
   **Learning rates.** ``get_lr()``, ``get_momentum()`` and ``param_groups``
   read the hyperparameters from ``optax.inject_hyperparams`` states found
@@ -180,20 +151,9 @@ class OptimWrapper:
   ``get_momentum()`` raise a ``ValueError`` saying how to build it, and
   ``param_groups`` holds one group with only ``'params'``.
 
-  Differences from mmengine, and why:
-
-  * ``backward``/``update_params`` take a loss function (see above) and
-    return the loss as a device array; ``update_params`` returns the loss
-    before the accumulation factor, as the user computed it.
-  * ``update_params`` fuses backward, step and ``zero_grad`` into one jitted
-    call when it is going to step (one dispatch, like a hand-written step).
-  * ``state_dict()`` is ``{'state': <optax state of optimizer>,
-    'param_groups': [...]}`` with device arrays; the parameters are not in
-    it (they are in :attr:`params`, as PyTorch keeps them in the model).
-  * ``clip_grad=dict(..., error_if_nonfinite=True)`` needs one host sync per
-    step to raise (the check must reach Python); without it nothing syncs.
-  * ``last_grad_norm`` holds the norm before clipping (mmengine logs it as
-    ``train/grad_norm``); ``None`` without norm clipping.
+  What differs from mmengine, and why, is listed in the porting guide
+  (``docs/porting.md``, "From mmengine"); ``last_grad_norm`` holds the norm
+  before clipping (mmengine logs it as ``train/grad_norm``).
 
   Args:
     optimizer: an optax ``GradientTransformation``.
@@ -271,7 +231,7 @@ class OptimWrapper:
     self._last_grad_norm: Optional[jax.Array] = None
     self._build_steps()
     self._factors: Dict[float, jax.Array] = {}
-    self._specs: Optional[List[hp.GroupSpec]] = None
+    self._specs: Optional[List[pg.GroupSpec]] = None
     self._defaults: Optional[dict] = None
     self._base_param_settings: Any = _UNSET
     self.optimizer = WrappedOptimizer(self)
@@ -282,14 +242,11 @@ class OptimWrapper:
     # Flax's fp8 state is overwritten by the step, never given to the optimizer (fp8.py).
     return sharding_pins.replicate_scalars(self._tx.init(fp8.split(params)[0]), params)
 
-  def _inner_transformation(self) -> optax.GradientTransformation:
+  def _build_transformation(self) -> optax.GradientTransformation:
     """``chain(clip, optimizer)`` (or ``optimizer``), the optimizer's state marked by type."""
     if self._clip is None:
       return _marked(self._optimizer)
     return optax.chain(self._clip.transformation(), _marked(self._optimizer))
-
-  def _build_transformation(self) -> optax.GradientTransformation:
-    return self._inner_transformation()
 
   def _with_opt(self, state: Any, opt_state: Any) -> Any:
     """``state`` with the optimizer's state replaced by ``opt_state``."""
@@ -328,7 +285,7 @@ class OptimWrapper:
       # scaler.scale(loss_fn): differentiate the scaled loss, return the loss itself (what a
       # PyTorch loop logs, the loss before scaler.scale).
       scale = loss_fn.scale if scale is None else state_lib.multiply_by_scale(loss_fn.scale, scale)
-      loss_fn = functools.partial(_unscaled_call, loss_fn)
+      loss_fn = loss_fn.unscaled
     divisor = None
     if isinstance(loss_fn, DividedLoss):
       # scale_loss(loss_fn): differentiate the divided loss, return the loss itself (what
@@ -357,20 +314,20 @@ class OptimWrapper:
 
     return objective
 
-  def _grads_and_loss(self, params, dynamic, factor, scale, spec):
+  def _grads_and_loss(self, params, buffer, dynamic, factor, scale, spec):
+    """Traced: the loss and the gradients, added to ``buffer`` when there is one."""
     objective = self._objective(spec, dynamic, factor, scale)
     grads, (loss, aux) = jax.grad(objective, has_aux=True)(params)
-    out = (loss, aux) if spec.has_aux else loss
-    return out, grads
+    if buffer is not None:
+      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
+      grads = fp8.accumulate(buffer, grads, lambda b, g: b + finite.as_stored(g))
+    return ((loss, aux) if spec.has_aux else loss), grads
 
   # The traced implementations of the jitted steps.
 
   def _grad_impl(self, params, buffer, dynamic, factor, scale, spec):
     self._retraces.traced(("backward", buffer is None), spec, dynamic, params)
-    out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
-    if buffer is not None:
-      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
-      grads = fp8.accumulate(buffer, grads, lambda b, g: b + finite.as_stored(g))
+    out, grads = self._grads_and_loss(params, buffer, dynamic, factor, scale, spec)
     return out, sharding_pins.constrain(grads, self._shardings)
 
   def _update(self, params, state, grads, skip):
@@ -435,10 +392,7 @@ class OptimWrapper:
     self._retraces.traced(("update_params", buffer is None), spec, dynamic, params)
     scaling = loss_scale_of(state)
     scale = None if scaling is None else scaling.scale
-    out, grads = self._grads_and_loss(params, dynamic, factor, scale, spec)
-    if buffer is not None:
-      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
-      grads = fp8.accumulate(buffer, grads, lambda b, g: b + finite.as_stored(g))
+    out, grads = self._grads_and_loss(params, buffer, dynamic, factor, scale, spec)
     new_params, new_state, norm = self._update(params, state, grads, None)
     return out, new_params, new_state, norm
 
@@ -552,17 +506,6 @@ class OptimWrapper:
 
   # -- backward / step ------------------------------------------------------------------------
 
-  def _run_backward(self, loss_fn: Any, args: tuple, kwargs: dict, has_aux: bool,
-                    factor: float) -> Any:
-    dynamic, spec = split_call(loss_fn, args, kwargs, has_aux)
-    buffer = self.grads
-    scaling = loss_scale_of(self._state)
-    scale = None if scaling is None else scaling.scale
-    out, grads = self._grad_step(self._params, buffer, dynamic, self._factor(factor), scale, spec)
-    self._grads = grads
-    self._counter.inner_count += 1
-    return out
-
   def backward(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
                **kwargs: Any) -> Any:
     """Adds the gradients of ``loss_fn(params, *args, **kwargs)`` to :attr:`grads`.
@@ -571,9 +514,17 @@ class OptimWrapper:
     ``has_aux=True``, ``(loss, aux)``) as device arrays: nothing waits for
     the device. Array leaves of ``loss_fn``/``args``/``kwargs`` are traced,
     other leaves are static (see the class notes), so repeated calls compile
-    once.
+    once. In :class:`AmpOptimWrapper` the loss is computed in the compute
+    ``dtype`` and multiplied by the current scale before differentiating; the
+    returned loss is the unscaled one (float32 when a ``dtype`` is set).
     """
-    return self._run_backward(loss_fn, args, kwargs, has_aux, 1.0)
+    dynamic, spec = split_call(loss_fn, args, kwargs, has_aux)
+    scaling = loss_scale_of(self._state)
+    scale = None if scaling is None else scaling.scale
+    out, self._grads = self._grad_step(self._params, self.grads, dynamic, self._factor(1.0),
+                                       scale, spec)
+    self._counter.inner_count += 1
+    return out
 
   def apply_gradients(self, grads: Optional[Any] = None, *, skip: Optional[Any] = None) -> None:
     """Clips, runs the optimizer and applies the updates, in one jitted call.
@@ -703,7 +654,12 @@ class OptimWrapper:
     synchronizing gradients while the window is not complete
     (``should_sync()`` false). Yields a function casting the floating leaves
     of a pytree to the compute dtype: the identity here; the ``dtype`` of
-    :class:`AmpOptimWrapper`.
+    :class:`AmpOptimWrapper`. JAX has no global autocast: ``backward`` and
+    ``update_params`` run the loss in the compute dtype themselves; inside the
+    context, user code casts what it computes itself::
+
+      with wrapper.optim_context() as cast:
+        logits = model.apply(cast(params), cast(x))
     """
     cast = self._cast_fn()
     if not self.should_sync() and hasattr(model, "no_sync"):
@@ -717,37 +673,29 @@ class OptimWrapper:
 
   # -- hyperparameters --------------------------------------------------------------------------
 
-  def _group_specs(self) -> List[hp.GroupSpec]:
+  def _group_specs(self) -> List[pg.GroupSpec]:
     if self._specs is None:
-      nodes = hp.inject_nodes(self.opt_state)
+      nodes = hc.inject_nodes(self.opt_state)
       names = trees.param_names(self._params)
       if not nodes:
-        self._specs = [hp.GroupSpec(names=names, codecs={})]
+        self._specs = [pg.GroupSpec(names=names, codecs={})]
       else:
-        self._specs = [hp.GroupSpec(names=names if len(nodes) == 1 else None,
-                                    codecs=hp.generic_codecs(node.hyperparams)) for node in nodes]
+        self._specs = [pg.GroupSpec(names=names if len(nodes) == 1 else None,
+                                    codecs=hc.generic_codecs(node.hyperparams)) for node in nodes]
     return self._specs
 
-  def _set_group_specs(self, specs: List[hp.GroupSpec], defaults: dict) -> None:
-    if len(specs) != len(hp.inject_nodes(self.opt_state)):
-      raise ValueError("one parameter group per inject_hyperparams state is expected")
-    self._specs = specs
-    self._defaults = dict(defaults)
-
   def _read_hyperparam(self, index: int, key: str) -> Any:
-    return hp.read_hyperparam(self._group_specs()[index], hp.inject_nodes(self.opt_state)[index],
+    return pg.read_hyperparam(self._group_specs()[index], hc.inject_nodes(self.opt_state)[index],
                               key)
 
-  def _hyperparam_state(self, opt_state: Any, index: int, key: str, value: Any) -> Any:
-    return hp.with_hyperparam(opt_state, index, self._group_specs()[index].codecs[key], value)
-
   def _write_hyperparam(self, index: int, key: str, value: Any) -> None:
-    opt_state = self._hyperparam_state(self.opt_state, index, key, value)
+    codec = self._group_specs()[index].codecs[key]
+    opt_state = hc.with_hyperparam(self.opt_state, index, codec, value)
     self._state = self._with_opt(self._state, opt_state)
     self._group_specs()[index].mirror[key] = value
 
-  def _optimizer_groups(self) -> List[hp.ParamGroup]:
-    return [hp.ParamGroup(self, i) for i in range(len(self._group_specs()))]
+  def _optimizer_groups(self) -> List[pg.ParamGroup]:
+    return [pg.ParamGroup(self, i) for i in range(len(self._group_specs()))]
 
   @property
   def base_param_settings(self) -> Optional[dict]:
@@ -892,7 +840,7 @@ class OptimWrapper:
                        f"{missing}, unexpected {extra}")
     opt_state = trees.validated_like(state_dict["state"], self.opt_state, "state_dict['state']")
     outside.validate_opt_state(opt_state)
-    opt_state, commit_groups = hp.load_groups(state_dict["param_groups"], self._group_specs(),
+    opt_state, commit_groups = pg.load_groups(state_dict["param_groups"], self._group_specs(),
                                               opt_state)
 
     def commit():
@@ -904,11 +852,15 @@ class OptimWrapper:
   def load_state_dict(self, state_dict: dict) -> None:
     """Loads a :meth:`state_dict`; validates everything before changing anything.
 
+    :class:`AmpOptimWrapper` also loads ``'loss_scaler'`` (PyTorch's
+    GradScaler format) when present; without it the optimizer only.
+
     Raises:
       ValueError: missing or unexpected keys, another tree structure (a
         different optimizer or parameters), other shapes or dtypes, other
-        parameter groups.
+        parameter groups, other scaler keys.
       TypeError: a non-dict, or leaves that are not arrays.
+      RuntimeError: an empty ``'loss_scaler'`` (PyTorch's message).
     """
     self._prepare_load(state_dict)()
 
@@ -928,7 +880,7 @@ class WrappedOptimizer:
   mmengine's hooks, parameter schedulers and loops read and write
   ``optim_wrapper.optimizer.param_groups``; here they are live views of the
   hyperparameters in the wrapper's optax state (see
-  :class:`~jaxamp._src.facade.mmengine.hyperparams.ParamGroup`): writing
+  :class:`~jaxamp._src.facade.mmengine.param_groups.ParamGroup`): writing
   ``param_groups[i]['lr']`` takes effect at the next step, without a
   recompilation. ``state_dict()``/``load_state_dict()`` are the
   optimizer's (without mmengine's ``base_param_settings``);
@@ -944,7 +896,7 @@ class WrappedOptimizer:
     return self._wrapper._optimizer  # noqa: SLF001
 
   @property
-  def param_groups(self) -> List[hp.ParamGroup]:
+  def param_groups(self) -> List[pg.ParamGroup]:
     """One live view per parameter group (one per ``inject_hyperparams`` state)."""
     return self._wrapper._optimizer_groups()  # noqa: SLF001
 
@@ -965,14 +917,17 @@ class WrappedOptimizer:
     return repr(self.transformation)
 
 
-def install_group_specs(wrapper: OptimWrapper, specs: List[hp.GroupSpec], defaults: dict) -> None:
+def install_group_specs(wrapper: OptimWrapper, specs: List[pg.GroupSpec], defaults: dict) -> None:
   """Gives ``wrapper`` the parameter groups :func:`jaxamp.build_optim_wrapper` built.
 
-  ``specs`` holds one :class:`~.hyperparams.GroupSpec` per injected state
+  ``specs`` holds one :class:`~.param_groups.GroupSpec` per injected state
   of the wrapper's optimizer (names, PyTorch codecs, fixed keys, extras),
   ``defaults`` the optimizer's defaults with PyTorch's names.
   """
-  wrapper._set_group_specs(specs, defaults)  # noqa: SLF001 (the wrapper's own module)
+  if len(specs) != len(hc.inject_nodes(wrapper.opt_state)):
+    raise ValueError("one parameter group per inject_hyperparams state is expected")
+  wrapper._specs = specs  # noqa: SLF001 (the wrapper's own module)
+  wrapper._defaults = dict(defaults)  # noqa: SLF001
 
 
 def describe_groups(wrapper: OptimWrapper, groups: Sequence[Tuple[List[str], dict]]) -> None:
@@ -985,6 +940,3 @@ def describe_groups(wrapper: OptimWrapper, groups: Sequence[Tuple[List[str], dic
     spec.names = names
     spec.extras.update(extras)
 
-
-def _unscaled_call(scaled: ScaledLoss, *args: Any, **kwargs: Any) -> Any:
-  return scaled.unscaled(*args, **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 import functools
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,7 @@ from jaxamp._src import state as state_lib
 
 from jaxamp._src.facade.errors import AssertionKeyError
 from jaxamp._src.facade.errors import AssertionTypeError
-from jaxamp._src.facade.mmengine.hyperparams import ParamGroup
+from jaxamp._src.facade.mmengine.param_groups import ParamGroup
 from jaxamp._src.facade.mmengine.optim_wrapper import OptimWrapper
 from jaxamp._src.facade.scaled_loss import ScaledLoss
 
@@ -52,15 +52,6 @@ class OptimWrapperDict(OptimWrapper):
         raise AssertionTypeError("`OptimWrapperDict` only accept OptimWrapper instance, "
                                   f"but got {key}: {type(value)}")
     self.optim_wrappers = optim_wrapper_dict
-
-  def update_params(self, loss_fn: Any = None, *args: Any, step_kwargs: Optional[dict] = None,
-                    zero_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
-    """Not implemented: call ``update_params`` of each wrapper."""
-    raise NotImplementedError("`update_params` should be called by each optimizer separately`")
-
-  def backward(self, loss_fn: Any = None, *args: Any, **kwargs: Any) -> None:
-    """Not implemented: call ``backward`` of each wrapper."""
-    raise NotImplementedError("`backward` should be called by each optimizer separately`")
 
   def backward_all(self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False,
                    **kwargs: Any) -> Any:
@@ -104,14 +95,6 @@ class OptimWrapperDict(OptimWrapper):
       held = wrapper.grads
       wrapper.grads = grads[name] if held is None else jax.tree.map(jnp.add, held, grads[name])
     return out
-
-  def step(self, *args: Any, **kwargs: Any) -> None:
-    """Not implemented: call ``step`` of each wrapper."""
-    raise NotImplementedError("`step` should be called by each optimizer separately`")
-
-  def apply_gradients(self, grads: Optional[Any] = None, *, skip: Optional[Any] = None) -> None:
-    """Not implemented: call ``apply_gradients`` of each wrapper."""
-    raise NotImplementedError("`apply_gradients` should be called by each optimizer separately`")
 
   def zero_grad(self, set_to_none: bool = True) -> None:
     """Clears the gradients of every wrapper."""
@@ -167,9 +150,6 @@ class OptimWrapperDict(OptimWrapper):
                               f"{list(self.optim_wrappers)}): those would not be restored")
     commits = []
     for name, sub in state_dict.items():
-      if name not in self.optim_wrappers:
-        raise AssertionKeyError(f"Mismatched `state_dict`! cannot found {name} in "
-                                 "OptimWrapperDict")
       commits.append(self.optim_wrappers[name]._prepare_load(sub))  # noqa: SLF001
     for commit in commits:
       commit()
@@ -208,6 +188,17 @@ class OptimWrapperDict(OptimWrapper):
     return desc
 
 
+def _per_wrapper(name: str) -> Callable[..., None]:
+  """A method mmengine's ``OptimWrapperDict`` leaves to each wrapper: its ``NotImplementedError``."""
+
+  def method(self: OptimWrapperDict, *args: Any, **kwargs: Any) -> None:
+    raise NotImplementedError(f"`{name}` should be called by each optimizer separately`")
+
+  method.__name__ = name
+  method.__doc__ = f"Not implemented: call ``{name}`` of each wrapper."
+  return method
+
+
 def _not_held(name: str) -> property:
   """A member mmengine's ``OptimWrapperDict`` inherits but cannot serve: its ``AttributeError``."""
 
@@ -228,6 +219,8 @@ for _name in ("params", "opt_state", "grads", "donate", "last_grad_norm", "inner
               "defaults", "should_update", "should_sync", "scale_loss", "apply_scaled_gradients",
               "optimizer", "clip_grad_kwargs", "base_param_settings"):
   setattr(OptimWrapperDict, _name, _not_held(_name))
+for _name in ("update_params", "backward", "step", "apply_gradients"):
+  setattr(OptimWrapperDict, _name, _per_wrapper(_name))
 del _name
 
 

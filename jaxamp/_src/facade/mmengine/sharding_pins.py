@@ -17,19 +17,6 @@ import jax
 from jax import lax
 
 
-def pinned(sharding: Any) -> Optional[Any]:
-  """The sharding a params-shaped output must be pinned to, or None (single device)."""
-  if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    return None
-  return sharding
-
-
-def is_explicit(sharding: Any) -> bool:
-  """Whether ``sharding``'s mesh has an axis of type ``Explicit`` (sharding in the type)."""
-  axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
-  return any(t == jax.sharding.AxisType.Explicit for t in axis_types)
-
-
 def replicate_scalars(state: Any, params: Any) -> Any:
   """Puts the single-device scalars of ``state`` on the params' mesh, replicated.
 
@@ -53,7 +40,8 @@ def replicate_scalars(state: Any, params: Any) -> Any:
 
 def param_shardings(params: Any) -> Optional[Tuple[Any, ...]]:
   """Per params leaf, the sharding outputs must be pinned to (None: nothing to pin)."""
-  shardings = tuple(pinned(getattr(p, "sharding", None)) for p in jax.tree.leaves(params))
+  shardings = tuple(None if isinstance(s, jax.sharding.SingleDeviceSharding) else s
+                    for s in (getattr(p, "sharding", None) for p in jax.tree.leaves(params)))
   return shardings if any(s is not None for s in shardings) else None
 
 
@@ -61,7 +49,8 @@ def pin(x: jax.Array, sharding: Any) -> jax.Array:
   """Traced: ``x`` constrained (or, on explicit axes, resharded) to ``sharding``."""
   if sharding is None:
     return x
-  if is_explicit(sharding):
+  axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+  if any(t == jax.sharding.AxisType.Explicit for t in axis_types):
     # Explicit axes: the sharding is part of the type (gradients of a contraction over a
     # sharded batch come back replicated, say); move it back to the parameter's.
     return jax.sharding.reshard(x, sharding)

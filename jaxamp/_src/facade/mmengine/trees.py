@@ -20,18 +20,6 @@ from jaxamp._src import validation
 from jaxamp._src import outside
 
 
-def _key_name(key: Any) -> str:
-  if isinstance(key, jax.tree_util.DictKey):
-    return str(key.key)
-  if isinstance(key, jax.tree_util.GetAttrKey):
-    return str(key.name)
-  if isinstance(key, jax.tree_util.SequenceKey):
-    return str(key.idx)
-  if isinstance(key, jax.tree_util.FlattenedIndexKey):
-    return str(key.key)
-  return str(key)
-
-
 def _without_value(path: Sequence[Any]) -> tuple:
   """``path`` without the final ``.value`` of a flax Variable."""
   if (len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey)
@@ -42,7 +30,7 @@ def _without_value(path: Sequence[Any]) -> tuple:
 
 def path_parts(path: Sequence[Any]) -> List[str]:
   """The names along a pytree path, without the ``.value`` of flax Variables."""
-  return [_key_name(k) for k in _without_value(path)]
+  return [jax.tree_util.keystr((k,), simple=True) for k in _without_value(path)]
 
 
 def param_names(params: Any) -> List[str]:
