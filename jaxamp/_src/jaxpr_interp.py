@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import jax
 import jax.extend.core as jex_core
 
+from jaxamp._src import compat
+
 _source_info: Any
 try:  # public (jax.extend), though JAX may move it
   from jax.extend import source_info_util as _source_info
@@ -33,7 +35,7 @@ except ImportError:  # pragma: no cover -- reported by check()
 
 Literal = jex_core.Literal
 Var = jex_core.Var
-DropVar = jex_core.DropVar
+DropVar = compat.DropVar
 ClosedJaxpr = jex_core.ClosedJaxpr
 
 
@@ -96,7 +98,8 @@ def bind(eqn: Any, invals: Sequence[Any], params: Optional[dict] = None) -> list
 def bind_here(eqn: Any, invals: Sequence[Any], params: Optional[dict] = None) -> list:
   """Binds ``eqn``'s primitive on ``invals`` where :func:`evaluate` has entered its context."""
   params = eqn.params if params is None else params
-  out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+  subfuns, bind_params = compat.bind_params(eqn.primitive, params)
+  out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
   return list(out) if eqn.primitive.multiple_results else [out]
 
 

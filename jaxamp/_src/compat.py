@@ -1,0 +1,90 @@
+"""The JAX releases jaxamp supports: where they differ, one spelling for all of them.
+
+jaxamp runs on jax 0.7.1 and every later release (``.ci/oldest`` tests the
+oldest, ``.ci/run`` the newest). Where the public API changed within that
+range, this module picks what the installed JAX offers, once, at import:
+
+=============================  ==========================  ===========================
+what                           jax 0.7.1 (the floor)       jax 0.10.2 (the newest)
+=============================  ==========================  ===========================
+:func:`full` with a sharding   ``jnp.full``, then          ``jnp.full(...,
+                               ``jax.sharding.reshard``    out_sharding=...)``
+:func:`pcast_varying`          ``lax.pvary``               ``lax.pcast(..., to="varying")``
+:data:`DropVar`                ``jax.core.DropVar``        ``jax.extend.core.DropVar``
+:func:`bind_params`            ``get_bind_params`` gives   ``get_bind_params`` gives
+                               ``(subfuns, params)``       ``params``
+=============================  ==========================  ===========================
+
+Each entry is chosen by feature, not by version number, so a release in
+between takes whichever spelling it has. ``jax.shard_map`` (with ``check_vma``), ``jax.typeof(x).vma``,
+``jax.sharding.AxisType`` and the jaxpr internals that
+:mod:`jaxamp._src.jaxpr_interp` reads (``Primitive.get_bind_params``, the
+equation's ``ctx`` and ``source_info``, the parameter names of ``jit``,
+``cond``, ``while``, ``scan``, ``remat``, the custom rules and ``shard_map``)
+are the same on every supported release and need nothing here.
+
+The fast paths and the plain ones: on every supported release the fused
+selection (:func:`jaxamp._src.selective_update.select_update`) and
+:func:`jaxamp.autocast` interpret the jaxpr. Should a release move one of the
+internals they read, :func:`jaxamp._src.jaxpr_interp.check` raises
+``InterpretError``: ``autocast`` then refuses, naming the piece, and the fused
+selection falls back, with a warning, to the plain selection (every update
+computed, then selected with ``where``), which needs no internals and is sound
+on every release. This module holds only version differences of JAX's names;
+:mod:`jaxamp._src.jaxpr_interp` stays the one module that reads JAX's
+internals, and takes :data:`DropVar` from here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import jax
+import jax.core
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+from jax import lax
+
+# ``jax.extend.core.DropVar`` where JAX exports it there; the same class in ``jax.core`` before.
+DropVar: Any = getattr(jex_core, "DropVar", None)
+if DropVar is None:  # pragma: no cover -- the oldest releases
+  DropVar = getattr(jax.core, "DropVar")
+
+
+def _takes(fn: Any, name: str) -> bool:
+  try:
+    return name in inspect.signature(fn).parameters
+  except (TypeError, ValueError):  # pragma: no cover -- a builtin without a signature
+    return False
+
+
+FULL_TAKES_OUT_SHARDING = _takes(jnp.full, "out_sharding")
+
+
+def full(shape: Any, value: Any, dtype: Any, sharding: Optional[Any] = None) -> jax.Array:
+  """``jnp.full(shape, value, dtype)``, sharded as ``sharding`` (an ``Explicit`` mesh's)."""
+  if FULL_TAKES_OUT_SHARDING:
+    return jnp.full(shape, value, dtype, out_sharding=sharding)
+  out = jnp.full(shape, value, dtype)
+  return out if sharding is None else jax.sharding.reshard(out, sharding)
+
+
+def pcast_varying(x: jax.Array, axes: tuple) -> jax.Array:
+  """Types ``x`` as varying over the manual mesh ``axes`` too (no data moves)."""
+  pcast = getattr(lax, "pcast", None)
+  if pcast is not None:
+    return pcast(x, axes, to="varying")
+  return lax.pvary(x, axes)  # pragma: no cover -- the oldest releases
+
+
+def bind_params(primitive: Any, params: dict) -> tuple:
+  """``(subfuns, params)`` to bind ``primitive`` with: ``primitive.bind(*subfuns, *args, **params)``.
+
+  ``Primitive.get_bind_params`` returns the pair on older releases and the
+  parameters alone on newer ones (where no primitive binds with functions).
+  """
+  out = primitive.get_bind_params(params)
+  if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):  # the oldest releases
+    return tuple(out[0]), out[1]
+  return (), out
