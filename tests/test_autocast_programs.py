@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import jaxamp
 from jaxamp._src import jaxpr_interp
 from jaxamp._src import selective_update
+from jaxamp._src import compat
 
 F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 LOW = pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
@@ -35,7 +36,7 @@ def all_eqns(jaxpr):
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for sub in compat.jaxprs_in_params(eqn.params):
       yield from all_eqns(sub)
 
 

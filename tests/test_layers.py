@@ -12,6 +12,7 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parent.parent / "jaxamp" / "_src"
 
 LAYERS = [
+    ["compat"],
     ["validation", "sharding", "numerics", "policy", "autocast_ops", "jaxpr_interp",
      "facade.errors", "facade.mmengine.sharding_pins"],
     ["outside"],

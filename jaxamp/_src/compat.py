@@ -13,6 +13,8 @@ what                           jax 0.7.1 (the floor)       jax 0.10.2 (the newes
 :data:`DropVar`                ``jax.core.DropVar``        ``jax.extend.core.DropVar``
 :func:`bind_params`            ``get_bind_params`` gives   ``get_bind_params`` gives
                                ``(subfuns, params)``       ``params``
+:func:`jaxprs_in_params`       found here                  ``jax.extend.core.
+                                                           jaxprs_in_params``
 =============================  ==========================  ===========================
 
 Each entry is chosen by feature, not by version number, so a release in
@@ -38,7 +40,7 @@ internals, and takes :data:`DropVar` from here.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import jax
 import jax.core
@@ -88,3 +90,18 @@ def bind_params(primitive: Any, params: dict) -> tuple:
   if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):  # the oldest releases
     return tuple(out[0]), out[1]
   return (), out
+
+
+def jaxprs_in_params(params: dict) -> Iterator[Any]:
+  """The (open) jaxprs among an equation's parameters, directly or in a tuple."""
+  found = getattr(jex_core, "jaxprs_in_params", None)
+  if found is not None:
+    yield from found(params)
+    return
+  for value in params.values():  # the oldest releases do not export it
+    for v in value if isinstance(value, tuple) else (value,):
+      if isinstance(v, jex_core.ClosedJaxpr):
+        yield v.jaxpr
+      elif isinstance(v, jex_core.Jaxpr):
+        yield v
+

@@ -45,7 +45,7 @@ class InterpretError(RuntimeError):
 
 def _fail(what: str) -> InterpretError:
   return InterpretError(f"jax {jax.__version__}: {what}; jaxamp's jaxpr interpretation supports "
-                        "jax 0.10.2 and the releases `.ci/newest` has checked")
+                        "jax 0.7.1 to 0.10.2 and the releases `.ci/newest` has checked")
 
 
 _checked: list = []
@@ -67,6 +67,19 @@ def check() -> None:
                       (getattr(eqn, "source_info", None), "traceback")):
     if not hasattr(owner, attr):
       raise _fail(f"a jaxpr equation has no {attr!r} where jaxamp reads it")
+  # Bind a small program again, a call with a body included: a release that changes what
+  # binding takes fails here, as an InterpretError, not later inside a user's trace.
+  probe = jax.make_jaxpr(lambda x: jax.jit(lambda y: y * 2.0)(x) + 1.0)(1.0)
+  try:
+    if not has_subjaxprs(probe.jaxpr.eqns[0]):
+      raise _fail("a jit equation carries no jaxpr among its parameters")
+    again = jax.make_jaxpr(lambda x: evaluate(probe, [x], bind_here))(1.0)
+  except InterpretError:
+    raise
+  except Exception as err:  # noqa: BLE001 -- whatever binding raises, it is reported as one error
+    raise _fail(f"binding a jaxpr's equations again fails ({type(err).__name__}: {err})") from err
+  if again.out_avals != probe.out_avals:
+    raise _fail(f"binding a jaxpr's equations again gives {again.out_avals}, not {probe.out_avals}")
   _checked.append(True)
 
 
@@ -142,7 +155,7 @@ def evaluate(jaxpr: Any, args: Sequence[Any],
 
 def has_subjaxprs(eqn: Any) -> bool:
   """Whether ``eqn`` carries a body (a sub-jaxpr or a function to trace) in its parameters."""
-  if any(True for _ in jex_core.jaxprs_in_params(eqn.params)):
+  if any(True for _ in compat.jaxprs_in_params(eqn.params)):
     return True
   return any(callable(getattr(p, "call_wrapped", None)) for p in eqn.params.values())
 
