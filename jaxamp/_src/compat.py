@@ -18,23 +18,27 @@ what                           jax 0.7.1 (the floor)       jax 0.10.2 (the newes
 =============================  ==========================  ===========================
 
 Each entry is chosen by feature, not by version number, so a release in
-between takes whichever spelling it has. ``jax.shard_map`` (with ``check_vma``), ``jax.typeof(x).vma``,
-``jax.sharding.AxisType`` and the jaxpr internals that
-:mod:`jaxamp._src.jaxpr_interp` reads (``Primitive.get_bind_params``, the
-equation's ``ctx`` and ``source_info``, the parameter names of ``jit``,
-``cond``, ``while``, ``scan``, ``remat``, the custom rules and ``shard_map``)
-are the same on every supported release and need nothing here.
+between takes whichever spelling it has. The rest is the same on every
+supported release and needs nothing here: ``jax.shard_map`` with
+``check_vma``, ``jax.typeof(x).vma``, ``jax.sharding.AxisType``, and the
+internals :mod:`jaxamp._src.jaxpr_interp` reads (the equation's ``ctx`` and
+``source_info``, ``jax.extend.source_info_util``, the parameter names of
+``jit``, ``cond``, ``while``, ``scan``, ``remat``, the custom rules and
+``shard_map``). One more difference is no name: older releases keep some
+jaxpr literals as Python scalars, so the interpreters read a value's dtype
+with ``jax.typeof`` rather than ``.dtype``.
 
-The fast paths and the plain ones: on every supported release the fused
-selection (:func:`jaxamp._src.selective_update.select_update`) and
-:func:`jaxamp.autocast` interpret the jaxpr. Should a release move one of the
-internals they read, :func:`jaxamp._src.jaxpr_interp.check` raises
-``InterpretError``: ``autocast`` then refuses, naming the piece, and the fused
-selection falls back, with a warning, to the plain selection (every update
-computed, then selected with ``where``), which needs no internals and is sound
-on every release. This module holds only version differences of JAX's names;
-:mod:`jaxamp._src.jaxpr_interp` stays the one module that reads JAX's
-internals, and takes :data:`DropVar` from here.
+Which path runs: on every release from 0.7.1 to 0.10.2 the fused selection
+(:func:`jaxamp._src.selective_update.select_update`) and
+:func:`jaxamp.autocast` interpret the jaxpr (the fast path). On a release that
+moves one of the internals they read, :func:`jaxamp._src.jaxpr_interp.check`
+(which also binds a small program again) raises ``InterpretError``: the fused
+selection then warns once and takes the plain selection (every update
+computed, then selected with ``where``; no internals, sound on every release),
+and ``autocast`` refuses with that error. This module only picks a name or
+normalises a return value; :mod:`jaxamp._src.jaxpr_interp` stays the one
+module that reads JAX's internals, and takes :data:`DropVar`,
+:func:`bind_params` and :func:`jaxprs_in_params` from here.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from jax import lax
 # ``jax.extend.core.DropVar`` where JAX exports it there; the same class in ``jax.core`` before.
 DropVar: Any = getattr(jex_core, "DropVar", None)
 if DropVar is None:  # pragma: no cover -- the oldest releases
-  DropVar = getattr(jax.core, "DropVar")
+  DropVar = getattr(jax.core, "DropVar")  # noqa: B009 -- absent from newer jax.core
 
 
 def _takes(fn: Any, name: str) -> bool:
@@ -77,7 +81,7 @@ def pcast_varying(x: jax.Array, axes: tuple) -> jax.Array:
   pcast = getattr(lax, "pcast", None)
   if pcast is not None:
     return pcast(x, axes, to="varying")
-  return lax.pvary(x, axes)  # pragma: no cover -- the oldest releases
+  return getattr(lax, "pvary")(x, axes)  # noqa: B009 -- the oldest releases; not in newer lax
 
 
 def bind_params(primitive: Any, params: dict) -> tuple:

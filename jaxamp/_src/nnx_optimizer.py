@@ -17,8 +17,8 @@ OverwriteWithGradient = variablelib.variable_type_from_name(fp8.OVERWRITE_WITH_G
 """The NNX variable type of Flax's fp8 state (the Linen collection ``'_overwrite_with_gradient'``,
 as ``nnx.bridge.ToNNX`` names it)."""
 
-# Variables replaced by their values: ``nnx.as_pure`` (newer Flax), ``nnx.pure`` (Flax 0.12.0 to 0.12.6).
-_as_pure: Any = getattr(nnx, "as_pure", None) or getattr(nnx, "pure")
+# Variables replaced by their values: ``nnx.as_pure``, or ``nnx.pure`` (Flax 0.12.0 to 0.12.6).
+_as_pure: Any = getattr(nnx, "as_pure", None) or getattr(nnx, "pure")  # noqa: B009
 
 
 class Optimizer(nnx.Optimizer):
