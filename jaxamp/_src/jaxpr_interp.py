@@ -256,9 +256,12 @@ class ShardMapParts(NamedTuple):
 
 
 def shard_map_parts(eqn: Any) -> ShardMapParts:
+  # The axes this shard_map makes manual: 'newly_manual_axes' on newer releases, 'manual_axes'
+  # on the oldest supported (jax 0.7.1).
+  key = "manual_axes" if "newly_manual_axes" not in eqn.params else "newly_manual_axes"
   return ShardMapParts(closed(param(eqn, "jaxpr")), param(eqn, "mesh"),
                        tuple(param(eqn, "in_specs")), tuple(param(eqn, "out_specs")),
-                       frozenset(param(eqn, "newly_manual_axes")), bool(param(eqn, "check_vma")))
+                       frozenset(param(eqn, key)), bool(param(eqn, "check_vma")))
 
 
 class CustomJvpParts(NamedTuple):
