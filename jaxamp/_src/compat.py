@@ -18,15 +18,17 @@ what                           jax 0.7.1 (the floor)       jax 0.10.2 (the newes
 =============================  ==========================  ===========================
 
 Each entry is chosen by feature, not by version number, so a release in
-between takes whichever spelling it has. The rest is the same on every
-supported release and needs nothing here: ``jax.shard_map`` with
-``check_vma``, ``jax.typeof(x).vma``, ``jax.sharding.AxisType``, and the
-internals :mod:`jaxamp._src.jaxpr_interp` reads (the equation's ``ctx`` and
-``source_info``, ``jax.extend.source_info_util``, the parameter names of
-``jit``, ``cond``, ``while``, ``scan``, ``remat``, the custom rules and
-``shard_map``). One more difference is no name: older releases keep some
-jaxpr literals as Python scalars, so the interpreters read a value's dtype
-with ``jax.typeof`` rather than ``.dtype``.
+between takes whichever spelling it has: jax 0.8.3, say, takes the floor's
+column except for ``lax.pcast``, which it has. The parameter that names a
+``shard_map``'s manual axes (``manual_axes`` up to 0.8.x, ``newly_manual_axes``
+later) is read in :mod:`jaxamp._src.jaxpr_interp`, with the other parameter
+names. The rest is the same on every supported release and needs nothing
+here: ``jax.shard_map`` with ``check_vma``, ``jax.typeof(x).vma``,
+``jax.sharding.AxisType``, and the other internals that
+:mod:`jaxamp._src.jaxpr_interp` reads (the equation's ``ctx`` and
+``source_info``, ``jax.extend.source_info_util``). One more difference is no
+name: older releases keep some jaxpr literals as Python scalars, so autocast
+reads a value's dtype with ``jax.typeof`` rather than ``.dtype``.
 
 Which path runs: on every release from 0.7.1 to 0.10.2 the fused selection
 (:func:`jaxamp._src.selective_update.select_update`) and
