@@ -73,7 +73,8 @@ FULL_TAKES_OUT_SHARDING = _takes(jnp.full, "out_sharding")
 def full(shape: Any, value: Any, dtype: Any, sharding: Optional[Any] = None) -> jax.Array:
   """``jnp.full(shape, value, dtype)``, sharded as ``sharding`` (an ``Explicit`` mesh's)."""
   if FULL_TAKES_OUT_SHARDING:
-    return jnp.full(shape, value, dtype, out_sharding=sharding)
+    full_with_sharding: Any = jnp.full  # typed without out_sharding on the oldest releases
+    return full_with_sharding(shape, value, dtype, out_sharding=sharding)
   out = jnp.full(shape, value, dtype)
   return out if sharding is None else jax.sharding.reshard(out, sharding)
 
