@@ -10,6 +10,7 @@ import pytest
 from jax import lax
 
 import jaxamp
+from jaxamp._src import compat
 from tests._problems import classification
 
 F16, BF16, F32, F64 = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
@@ -21,7 +22,7 @@ def all_eqns(jaxpr):
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for sub in compat.jaxprs_in_params(eqn.params):
       yield from all_eqns(sub)
 
 
@@ -86,12 +87,20 @@ def test_promote_casts_mixed_inputs_to_the_widest_and_scalars_do_not_widen():
   assert in_dtypes(jaxamp.autocast(f), X, W, jnp.ones(5), prim="add") == [(F32, F32)]
 
 
+def _enable_x64(on):
+  # jax.enable_x64 on newer releases; jax.experimental.enable_x64 on the oldest supported.
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(on)
+  from jax import experimental  # pylint: disable=import-outside-toplevel
+  return experimental.enable_x64(on)
+
+
 def test_float64_ints_bools_and_keys_are_untouched():
   def f(x, i, b, key, z):
     noise = jax.random.normal(key, x.shape, jnp.float32)
     return x @ x.T + noise[:, :3] * 0, i * 2, ~b, jax.random.split(key), z @ z
 
-  with jax.enable_x64(True):
+  with _enable_x64(True):
     z = jnp.ones((2, 2), F64)
     key = jax.random.key(0)
     out = jaxamp.autocast(f)(X, jnp.arange(3), jnp.array([True]), key, z)

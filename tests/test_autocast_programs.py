@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import jaxamp
 from jaxamp._src import jaxpr_interp
 from jaxamp._src import selective_update
+from jaxamp._src import compat
 
 F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 LOW = pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
@@ -35,7 +36,7 @@ def all_eqns(jaxpr):
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for sub in compat.jaxprs_in_params(eqn.params):
       yield from all_eqns(sub)
 
 
@@ -271,7 +272,8 @@ def test_unknown_control_flow_warns_once_naming_the_primitive():
   with pytest.warns(jaxamp.AutocastWarning, match="'custom_linear_solve'") as record:
     out = jaxamp.autocast(f)(X, w)
   assert len(record) == 1
-  np.testing.assert_allclose(out, f(X, w), rtol=1e-6)
+  # The sum cancels to about 1e-6: float32 rounding of the terms, which releases order differently.
+  np.testing.assert_allclose(out, f(X, w), rtol=1e-6, atol=1e-5)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # an 'off' override says it is meant
     jaxamp.autocast(f, overrides={"custom_linear_solve": "off"})(X, w)

@@ -18,6 +18,7 @@ from flax.training import train_state as flax_train_state
 
 import jaxamp
 import jaxamp.nnx
+from jaxamp._src.nnx_optimizer import _as_pure as as_pure  # nnx.pure on Flax up to 0.12.6
 from tests._optax import adam as _adam
 
 F16, F32 = jnp.float16, jnp.float32
@@ -381,8 +382,8 @@ def test_nnx_trains_in_float16_with_scaling_and_accumulation(nnx_runs):
     model, optimizer, _, first, last = nnx_runs[name]
     assert last < 0.7 * first, name
     assert all(p.dtype == F32 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    assert float(jaxamp.loss_scale(nnx.as_pure(optimizer.opt_state))) == 2.0**14
-    assert _adam_count(nnx.as_pure(optimizer.opt_state)) == 5
+    assert float(jaxamp.loss_scale(as_pure(optimizer.opt_state))) == 2.0**14
+    assert _adam_count(as_pure(optimizer.opt_state)) == 5
   assert _NNX_TRACES["n"] == 2  # one trace per optimizer class, none after
   # Same updates either way: only the counter differs.
   jax.tree.map(np.testing.assert_array_equal, nnx.state(nnx_runs["flax"][0], nnx.Param),

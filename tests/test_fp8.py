@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import flax
 import pytest
 from flax import linen as nn
 from flax import nnx
@@ -22,6 +23,12 @@ from flax.training import train_state as flax_train_state
 import jaxamp
 import jaxamp.nnx
 from tests._optax import adam as _adam
+
+# Flax's own fp8 training, which these tests take as the reference, gives other values before
+# flax 0.12.8 (measured on flax 0.12.0 with jax 0.7.1), and nnx.bridge names the fp8 state otherwise.
+_NEWER_FLAX_FP8 = pytest.mark.skipif(
+    tuple(int(p) for p in flax.__version__.split(".")[:3]) < (0, 12, 8),
+    reason="compared with Flax's fp8 training as flax 0.12.8 and later compute it")
 
 OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 HIST = 8  # a short amax history: the roll is visible after a few steps
@@ -172,6 +179,7 @@ PATHS = {
 GRAD_FACTOR = {"TrainState": 1.0, "OptimWrapper": 1.0, "microbatch_value_and_grad": 2.0}
 
 
+@_NEWER_FLAX_FP8
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_the_fp8_state_is_overwritten_as_flax_does(path):
   model, variables, x = _snippet()
@@ -235,6 +243,7 @@ def test_a_skipped_step_keeps_the_fp8_state(path):
   _assert_params_close(after, variables, rtol=0)
 
 
+@_NEWER_FLAX_FP8
 def test_a_skipped_step_keeps_the_fp8_state_nnx():
   model, _, x = _snippet()
   module = bridge.ToNNX(model, rngs=nnx.Rngs(1)).lazy_init(x)
@@ -372,6 +381,7 @@ ACCUMULATE_PATHS = {"TrainState": _accumulate_train_state, "core": _accumulate_c
                     "AmpOptimWrapper": _accumulate_wrapper, "nnx.Optimizer": _accumulate_nnx}
 
 
+@_NEWER_FLAX_FP8
 @pytest.mark.parametrize("path", sorted(ACCUMULATE_PATHS))
 def test_accumulated_micro_steps_give_the_concatenated_batch_step(path):
   model, variables, micro = _mlp_data()
@@ -571,6 +581,7 @@ def test_the_fp8_train_step_compiles_once(count_traces):
   assert counter["n"] == 1 and int(state.step) == 2
 
 
+@_NEWER_FLAX_FP8
 def test_grad_scaler_unscale_leaves_the_fp8_state_unscaled():
   model, variables, x = _snippet()
   wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), variables)

@@ -14,6 +14,7 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "jaxamp" / "_src"
 DESIGN = SRC.parent.parent / "docs" / "design.md"
 
 LAYERS = [
+    ["compat"],
     ["validation", "sharding", "numerics", "autocast_ops", "jaxpr_interp",
      "facade.errors", "facade.mmengine.sharding_pins"],
     ["outside", "policy"],

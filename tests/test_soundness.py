@@ -228,6 +228,7 @@ def _nnx_optimizer(producer):
   """jaxamp.nnx.Optimizer: nnx.grad of optimizer.scale_loss inside nnx.jit, then update."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   import jaxamp.nnx  # pylint: disable=import-outside-toplevel,redefined-outer-name
+  from jaxamp._src.nnx_optimizer import _as_pure as as_pure  # nnx.pure on Flax up to 0.12.6
 
   names = sorted(producer.params())
 
@@ -257,10 +258,10 @@ def _nnx_optimizer(producer):
     (x,) = xs
     model, optimizer = nnx.clone(template)  # a deep copy: the eager step mutates in place
     jaxamp.get_loss_scale_state(optimizer.opt_state).scale[...] = jnp.float32(scale)
-    inner0 = S.to_host(S.loss_scale_state(nnx.as_pure(optimizer.opt_state)).inner_state)
+    inner0 = S.to_host(S.loss_scale_state(as_pure(optimizer.opt_state)).inner_state)
     with S.mode(eager):
       grads = (step if eager else jitted)(model, optimizer, jnp.asarray(x))
-    ls = S.loss_scale_state(nnx.as_pure(optimizer.opt_state))
+    ls = S.loss_scale_state(as_pure(optimizer.opt_state))
     skipped = bool(ls.skipped)
     params1 = {k: np.asarray(v) for k, v in model.values().items()}
     steps = int(optimizer.step[...])

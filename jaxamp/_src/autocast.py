@@ -81,7 +81,7 @@ def _is_float(dtype) -> bool:
 
 
 def _cast(x, dtype):
-  if jnp.dtype(x.dtype) == jnp.dtype(dtype):
+  if jnp.dtype(_dtype_of(x)) == jnp.dtype(dtype):  # a literal may be a Python scalar
     return x
   return lax.convert_element_type(x, dtype)
 

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import jax
 import jax.extend.core as jex_core
 
+from jaxamp._src import compat
+
 _source_info: Any
 try:  # public (jax.extend), though JAX may move it
   from jax.extend import source_info_util as _source_info
@@ -33,7 +35,7 @@ except ImportError:  # pragma: no cover -- reported by check()
 
 Literal = jex_core.Literal
 Var = jex_core.Var
-DropVar = jex_core.DropVar
+DropVar = compat.DropVar
 ClosedJaxpr = jex_core.ClosedJaxpr
 
 
@@ -43,7 +45,7 @@ class InterpretError(RuntimeError):
 
 def _fail(what: str) -> InterpretError:
   return InterpretError(f"jax {jax.__version__}: {what}; jaxamp's jaxpr interpretation supports "
-                        "jax 0.10.2 and the releases `.ci/newest` has checked")
+                        "jax 0.7.1 to 0.10.2 and the releases `.ci/newest` has checked")
 
 
 _checked: list = []
@@ -65,6 +67,19 @@ def check() -> None:
                       (getattr(eqn, "source_info", None), "traceback")):
     if not hasattr(owner, attr):
       raise _fail(f"a jaxpr equation has no {attr!r} where jaxamp reads it")
+  # Bind a small program again, a call with a body included: a release that changes what
+  # binding takes fails here, as an InterpretError, not later inside a user's trace.
+  probe = jax.make_jaxpr(lambda x: jax.jit(lambda y: y * 2.0)(x) + 1.0)(1.0)
+  try:
+    if not has_subjaxprs(probe.jaxpr.eqns[0]):
+      raise _fail("a jit equation carries no jaxpr among its parameters")
+    again = jax.make_jaxpr(lambda x: evaluate(probe, [x], bind_here))(1.0)
+  except InterpretError:
+    raise
+  except Exception as err:  # noqa: BLE001 -- whatever binding raises, it is reported as one error
+    raise _fail(f"binding a jaxpr's equations again fails ({type(err).__name__}: {err})") from err
+  if again.out_avals != probe.out_avals:
+    raise _fail(f"binding a jaxpr's equations again gives {again.out_avals}, not {probe.out_avals}")
   _checked.append(True)
 
 
@@ -96,7 +111,8 @@ def bind(eqn: Any, invals: Sequence[Any], params: Optional[dict] = None) -> list
 def bind_here(eqn: Any, invals: Sequence[Any], params: Optional[dict] = None) -> list:
   """Binds ``eqn``'s primitive on ``invals`` where :func:`evaluate` has entered its context."""
   params = eqn.params if params is None else params
-  out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+  subfuns, bind_params = compat.bind_params(eqn.primitive, params)
+  out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
@@ -139,7 +155,7 @@ def evaluate(jaxpr: Any, args: Sequence[Any],
 
 def has_subjaxprs(eqn: Any) -> bool:
   """Whether ``eqn`` carries a body (a sub-jaxpr or a function to trace) in its parameters."""
-  if any(True for _ in jex_core.jaxprs_in_params(eqn.params)):
+  if any(True for _ in compat.jaxprs_in_params(eqn.params)):
     return True
   return any(callable(getattr(p, "call_wrapped", None)) for p in eqn.params.values())
 
@@ -240,9 +256,12 @@ class ShardMapParts(NamedTuple):
 
 
 def shard_map_parts(eqn: Any) -> ShardMapParts:
+  # The axes this shard_map makes manual: 'newly_manual_axes' on newer releases, 'manual_axes'
+  # on the oldest supported (jax 0.7.1).
+  key = "manual_axes" if "newly_manual_axes" not in eqn.params else "newly_manual_axes"
   return ShardMapParts(closed(param(eqn, "jaxpr")), param(eqn, "mesh"),
                        tuple(param(eqn, "in_specs")), tuple(param(eqn, "out_specs")),
-                       frozenset(param(eqn, "newly_manual_axes")), bool(param(eqn, "check_vma")))
+                       frozenset(param(eqn, key)), bool(param(eqn, "check_vma")))
 
 
 class CustomJvpParts(NamedTuple):

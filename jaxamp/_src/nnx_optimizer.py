@@ -17,6 +17,9 @@ OverwriteWithGradient = variablelib.variable_type_from_name(fp8.OVERWRITE_WITH_G
 """The NNX variable type of Flax's fp8 state (the Linen collection ``'_overwrite_with_gradient'``,
 as ``nnx.bridge.ToNNX`` names it)."""
 
+# Variables replaced by their values: ``nnx.as_pure``, or ``nnx.pure`` (Flax 0.12.0 to 0.12.6).
+_as_pure: Any = getattr(nnx, "as_pure", None) or getattr(nnx, "pure")  # noqa: B009
+
 
 class Optimizer(nnx.Optimizer):
   """``flax.nnx.Optimizer`` whose ``step`` counts only the updates actually applied.
@@ -74,8 +77,8 @@ class Optimizer(nnx.Optimizer):
           f"wrt={wrt!r} selects Flax's fp8 state ({fp8.OVERWRITE_WITH_GRADIENT} variables): "
           "the optimizer must not step it. Pass wrt=nnx.Param and differentiate with respect to "
           "nnx.Any(nnx.Param, jaxamp.nnx.OverwriteWithGradient); update() overwrites it.")
-    values = nnx.as_pure(nnx.state(model, OverwriteWithGradient))
-    accumulates = bool(state_lib.find_states(nnx.as_pure(self.opt_state),
+    values = _as_pure(nnx.state(model, OverwriteWithGradient))
+    accumulates = bool(state_lib.find_states(_as_pure(self.opt_state),
                                              state_lib.AccumulationState))
     # The open accumulation window's maximum of the fp8 values (see fp8.py).
     self.fp8_window = (nnx.data(jax.tree.map(nnx.OptState, fp8.empty_window(values)))
@@ -93,14 +96,14 @@ class Optimizer(nnx.Optimizer):
       The updates that were applied (zeros for a skipped step).
     """
     step = self.step[...]
-    before = nnx.as_pure(self.opt_state)
+    before = _as_pure(self.opt_state)
     # A non-finite fp8 value (a saturated overflow) skips the step (fp8.flag_overflow).
-    new = nnx.as_pure(nnx.state(grads, OverwriteWithGradient))
+    new = _as_pure(nnx.state(grads, OverwriteWithGradient))
     if jax.tree.leaves(new):
       grads = fp8.flag_overflow(grads, new, before)
     with state_lib.promotion_for_updates(before):
       updates = super().update(model, grads, **kwargs)
-    after = nnx.as_pure(self.opt_state)
+    after = _as_pure(self.opt_state)
     applied = state_lib.update_applied(before, after)
     self._overwrite_fp8(model, grads, applied, after)
     top = jnp.asarray(jnp.iinfo(step.dtype).max, step.dtype)
@@ -110,13 +113,13 @@ class Optimizer(nnx.Optimizer):
 
   def _overwrite_fp8(self, model: Any, grads: Any, applied: jax.Array, after: Any) -> None:
     """Writes the fp8 values of ``grads`` into ``model`` where the step was applied."""
-    new = nnx.as_pure(nnx.state(grads, OverwriteWithGradient))
+    new = _as_pure(nnx.state(grads, OverwriteWithGradient))
     if not jax.tree.leaves(new):
       return
-    old = nnx.as_pure(nnx.state(model, OverwriteWithGradient))
+    old = _as_pure(nnx.state(model, OverwriteWithGradient))
     combined = new
     if self.fp8_window is not None:
-      window = nnx.as_pure(self.fp8_window)
+      window = _as_pure(self.fp8_window)
       combined = jax.tree.map(lambda w, n: jnp.maximum(w, n.astype(w.dtype)), window, new)
       kept = fp8.select(fp8.window_closed(after), fp8.empty_window(window), combined)
       jax.tree.map(lambda var, value: var.set_value(value), self.fp8_window, kept,
@@ -126,7 +129,7 @@ class Optimizer(nnx.Optimizer):
   @property
   def loss_scale(self) -> jax.Array:
     """The current loss scale (float32 scalar); 1.0 without loss scaling."""
-    return state_lib.loss_scale_or_one(nnx.as_pure(self.opt_state))
+    return state_lib.loss_scale_or_one(_as_pure(self.opt_state))
 
   def scale_loss(self, loss: Any) -> jax.Array:
     """Returns ``loss * loss_scale``, promoting a half-precision loss to float32."""
@@ -135,8 +138,8 @@ class Optimizer(nnx.Optimizer):
   @property
   def skipped_steps(self) -> jax.Array:
     """Optimizer steps skipped so far for non-finite gradients."""
-    return state_lib.skipped_steps(nnx.as_pure(self.opt_state))
+    return state_lib.skipped_steps(_as_pure(self.opt_state))
 
   def step_metrics(self) -> dict:
     """:func:`jaxamp.step_metrics` of the optimizer state."""
-    return state_lib.step_metrics(nnx.as_pure(self.opt_state))
+    return state_lib.step_metrics(_as_pure(self.opt_state))

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType
 
+from jaxamp._src import compat
+
 AxisName = Union[Hashable, Sequence[Hashable], None]
 
 
@@ -83,7 +85,7 @@ def mark_varying(x: jax.Array, axes: frozenset) -> jax.Array:
   missing = tuple(sorted(frozenset(axes) - varying_axes(x), key=str))
   if not missing:
     return x
-  return lax.pcast(x, missing, to="varying")
+  return compat.pcast_varying(x, missing)
 
 
 def full_like_type(like: Any, value: Any, dtype: Any = None,
@@ -104,7 +106,7 @@ def full_like_type(like: Any, value: Any, dtype: Any = None,
   mesh = getattr(sharding, "mesh", None)
   if mesh is not None and AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
     out_sharding = sharding
-  out = jnp.full(aval.shape, value, dtype, out_sharding=out_sharding)
+  out = compat.full(aval.shape, value, dtype, out_sharding)
   return mark_varying(out, varying_axes(like) if varying is None else varying)
 
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 import jaxamp
 import jaxamp.nnx
+from jaxamp._src.nnx_optimizer import _as_pure as as_pure  # nnx.pure on Flax up to 0.12.6
 from tests.conformance import _harness
 
 DTYPES = [jnp.float16, jnp.bfloat16]
@@ -96,8 +97,8 @@ class NNXTrainer:
     @nnx.jit
     def train_step(model, optimizer, x, y):
       self.traces += 1
-      old_stats = nnx.as_pure(nnx.state(model, nnx.BatchStat))
-      before = nnx.as_pure(optimizer.opt_state)
+      old_stats = as_pure(nnx.state(model, nnx.BatchStat))
+      before = as_pure(optimizer.opt_state)
 
       def loss_fn(model):
         return optimizer.scale_loss(_xent(model(x), y))
@@ -105,10 +106,10 @@ class NNXTrainer:
       scaled_loss, grads = nnx.value_and_grad(jaxamp.autocast(loss_fn, dtype))(model)
       scale = optimizer.loss_scale
       optimizer.update(model, grads)
-      kept = jaxamp.keep_if_skipped(nnx.as_pure(nnx.state(model, nnx.BatchStat)), old_stats,
-                                    before, nnx.as_pure(optimizer.opt_state))
+      kept = jaxamp.keep_if_skipped(as_pure(nnx.state(model, nnx.BatchStat)), old_stats,
+                                    before, as_pure(optimizer.opt_state))
       nnx.update(model, kept)
-      return scaled_loss / scale, jax.tree.map(lambda g: g / scale, _pure(nnx.as_pure(grads)))
+      return scaled_loss / scale, jax.tree.map(lambda g: g / scale, _pure(as_pure(grads)))
 
     self._step = train_step
 
@@ -116,15 +117,15 @@ class NNXTrainer:
     return self._step(self.model, self.optimizer, *batch)
 
   def snapshot(self):
-    return {"params": jax.device_get(_pure(nnx.as_pure(nnx.state(self.model, nnx.Param)))),
-            "stats": jax.device_get(_pure(nnx.as_pure(nnx.state(self.model, nnx.BatchStat)))),
+    return {"params": jax.device_get(_pure(as_pure(nnx.state(self.model, nnx.Param)))),
+            "stats": jax.device_get(_pure(as_pure(nnx.state(self.model, nnx.BatchStat)))),
             "inner_opt_state": _harness.inner_opt_state(self.opt_state())}
 
   def opt_state(self):
-    return nnx.as_pure(self.optimizer.opt_state)
+    return as_pure(self.optimizer.opt_state)
 
   def params(self):
-    return _pure(nnx.as_pure(nnx.state(self.model, nnx.Param)))
+    return _pure(as_pure(nnx.state(self.model, nnx.Param)))
 
 
 def _case(make_model, batch, nan_batch, has_stats, low_ops):

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from jaxamp._src import compat
 from tests.multidevice import _problem
 from tests.multidevice._problem import (BAD_ROW, BAD_STEP, DIN, DOUT, INIT_SCALE, MICRO,  # noqa: F401
                                        STEPS)
@@ -145,7 +146,7 @@ def test_jit_sharded_step_communicates_only_what_the_plain_step_does(layout):
 
 def _local_grads(p, s, x, y, axis_name):
   """This device's gradients (not summed over the devices)."""
-  return _grads(lax.pcast(p, axis_name, to="varying"), s, x, y)
+  return _grads(compat.pcast_varying(p, axis_name), s, x, y)
 
 
 def _pmap_run(deferred: bool):

@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from jaxamp._src import compat
 from tests.multidevice import _problem
 
 F16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
@@ -17,7 +18,7 @@ def _eqns(jaxpr):
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for sub in compat.jaxprs_in_params(eqn.params):
       yield from _eqns(sub)
 
 

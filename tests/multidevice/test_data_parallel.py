@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from jaxamp._src import compat
 from tests.multidevice import _problem
 from tests.multidevice._problem import BAD_STEP
 
@@ -38,7 +39,7 @@ def _step(p, s, x, y, tx, axis_name=None):
   if axis_name is not None:
     # Per-device gradients of the device's micro-batch (without the cast, shard_map
     # would already sum the gradients of the replicated params), then their mean.
-    p_local = lax.pcast(p, axis_name, to="varying")
+    p_local = compat.pcast_varying(p, axis_name)
     grads = jax.grad(lambda q: jaxamp.scale_loss(_loss(q, x, y), s))(p_local)
     grads = lax.pmean(grads, axis_name)
   else:
