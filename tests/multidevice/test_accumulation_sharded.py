@@ -285,5 +285,7 @@ def test_shard_map_microbatching_reduces_once(axis_name):
   np.testing.assert_allclose(float(loss) * 8.0, float(want_loss), rtol=1e-5)
   _assert_close(grads, jax.tree.map(np.asarray, want))
   found = hlo_collectives(sm.lower(params, batch).compile().as_text())
-  assert [op for op, _, _ in found] == ["all-reduce"]  # once, after the scan
-  assert found[0][2] == "ENTRY"
+  # Only after the scan, never per micro-step. jax 0.7 leaves the loss's and the gradients'
+  # all-reduces apart; from 0.8 on they are one.
+  assert found and all(op == "all-reduce" and where == "ENTRY" for op, _, where in found)
+  assert len(found) == 1 or jax.__version_info__ < (0, 8)

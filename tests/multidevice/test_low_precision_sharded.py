@@ -72,11 +72,12 @@ def test_sharded_params_under_jit_give_the_one_device_bits(mesh, rounding):
   for _ in range(STEPS):
     p8, s8 = step(p8, s8, t8)
     compiled.append(step._cache_size())
-  assert p8["w"].sharding.spec == P("data", None)
+  assert p8["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)
   for a, b in zip(_bits((p1, s1)), _bits((p8, s8))):
     np.testing.assert_array_equal(a, b)
-  # Compiled once.
-  assert compiled[-1] == 1, compiled
+  # Compiled once; jax 0.7 keys the specs the step returns apart from the ones placed here, so
+  # its second call compiles again, and no later one does.
+  assert compiled[-1] == (1 if jax.__version_info__ >= (0, 8) else compiled[1]), compiled
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])

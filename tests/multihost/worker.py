@@ -53,6 +53,7 @@ def _train(process_id: int, num_processes: int) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import jaxamp
+  from jaxamp._src import compat
 
   assert jax.process_count() == num_processes and jax.device_count() == 2 * num_processes
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -79,7 +80,7 @@ def _train(process_id: int, num_processes: int) -> dict:
 
   def step(p, s, x, y, tx, axis_name=None):
     if axis_name is not None:
-      local = lax.pcast(p, axis_name, to="varying")
+      local = compat.pcast_varying(p, axis_name)
       grads = jax.grad(lambda q: jaxamp.scale_loss(loss_fn(q, x, y), s))(local)
       grads = lax.pmean(grads, axis_name)
     else:
