@@ -107,3 +107,15 @@ def test_a_custom_vjp_with_symbolic_zeros_still_sees_them_under_autocast():
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2)
 
+
+
+def test_a_matmul_inside_shard_map_is_cast_like_one_outside():
+  mesh = jax.make_mesh((1,), ("d",))
+  spec = jax.sharding.PartitionSpec()
+
+  def f(x, y):
+    return jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(spec, spec), out_specs=spec)(x, y)
+
+  out = jax.jit(jaxamp.autocast(f, jnp.float16))(jnp.asarray(X), jnp.asarray(Y))
+  assert out.dtype == jnp.float16
+  np.testing.assert_array_equal(out, X.astype(np.float16) @ Y.astype(np.float16))

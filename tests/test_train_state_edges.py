@@ -166,3 +166,57 @@ def test_opt_state_is_what_tx_init_gives_without_fp8_layers():
   state = _stats_state()
   expected = state.tx.init(state.params)
   assert jax.tree.structure(state.opt_state) == jax.tree.structure(expected)
+
+
+def test_a_scalar_leaf_counts_in_the_total_norm():
+  # A scalar parameter's gradient (a bias, a temperature) is part of the norm like any leaf.
+  grads = {"t": jnp.array(3.0), "w": jnp.array([4.0])}
+  np.testing.assert_allclose(float(jaxamp.total_grad_norm(grads)), 5.0, rtol=1e-6)
+  np.testing.assert_allclose(float(jaxamp.total_grad_norm({"t": jnp.array(-2.0)}, 1.0)), 2.0)
+
+
+@pytest.mark.parametrize("bad", [None, [2.0], 2j])
+def test_a_norm_order_of_the_wrong_type_is_refused_naming_it(bad):
+  with pytest.raises(TypeError, match="norm_type"):
+    jaxamp.clip_grad_norm(1.0, bad)
+
+
+def test_set_loss_scale_accepts_a_traced_integer_scale():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init({"w": jnp.zeros(2)})
+  state = jax.jit(jaxamp.set_loss_scale)(state, jnp.int32(512))
+  assert float(jaxamp.loss_scale(state)) == 512.0
+  with pytest.raises(TypeError, match="real scalar"):
+    jax.jit(jaxamp.set_loss_scale)(state, jnp.array(True))
+
+
+def test_an_upgraded_state_refuses_a_missing_moment_rather_than_zeroing_it():
+  # The momentum of a checkpoint restored as None is not replaced by the template's zeros.
+  params = {"w": jnp.zeros(2)}
+  template = jaxamp.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9)).init(params)
+  old = {"scale": 1024.0, "growth_tracker": 5, "overflow_count": 0, "skipped": False,
+         "skipped_steps": 3, "inner_state": [{"trace": None}, {}]}
+  with pytest.raises(ValueError, match="trace"):
+    jaxamp.upgrade_opt_state(old, template)
+  old["inner_state"][0]["trace"] = {"w": [0.5, -1.0]}
+  state = jaxamp.upgrade_opt_state(old, template)
+  np.testing.assert_array_equal(state.inner_state[0].trace["w"], [0.5, -1.0])
+
+
+def test_the_train_state_step_metrics_are_those_of_its_optimizer_state():
+  state = _stats_state()
+  state = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])}, stats=state.stats)
+  metrics = state.step_metrics()
+  assert float(metrics["loss_scale"]) == 1.0  # halved from 2 by the skipped step
+  assert bool(metrics["skipped"]) and int(metrics["skipped_steps"]) == 1
+
+
+def test_stale_report_names_each_bfloat16_leaf_with_its_lost_fraction():
+  params = {"a": jnp.ones(4, jnp.bfloat16), "b": jnp.ones(2, jnp.bfloat16), "f": jnp.ones(2)}
+  tx = jaxamp.low_precision_params(optax.sgd(1.0), "kahan")
+  # Half of a's updates (1e-4 on 1.0) are lost in bfloat16; none of b's (0.5); a zero update
+  # is not counted as lost.
+  grads = {"a": jnp.array([1e-4, 1e-4, 0.5, 0.0], jnp.bfloat16),
+           "b": jnp.full(2, 0.5, jnp.bfloat16), "f": jnp.ones(2)}
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert jaxamp.stale_report(state, params) == {"['a']": 0.5, "['b']": 0.0}
