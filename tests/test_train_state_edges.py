@@ -220,3 +220,31 @@ def test_stale_report_names_each_bfloat16_leaf_with_its_lost_fraction():
            "b": jnp.full(2, 0.5, jnp.bfloat16), "f": jnp.ones(2)}
   _, state = jax.jit(tx.update)(grads, tx.init(params), params)
   assert jaxamp.stale_report(state, params) == {"['a']": 0.5, "['b']": 0.0}
+
+
+def test_a_train_state_of_bfloat16_params_takes_low_precision_steps_under_strict_promotion():
+  # The suite runs under strict dtype promotion; the float32 updates of low_precision_params
+  # still reach bfloat16 params, rounded to nearest (1 - 0.5 * 0.25 = 0.875 is exact).
+  params = {"w": jnp.ones(2, jnp.bfloat16)}
+  state = jaxamp.TrainState.create(
+      apply_fn=None, params=params,
+      tx=jaxamp.low_precision_params(optax.sgd(0.5), "nearest"))
+  state = state.apply_gradients(grads={"w": jnp.full(2, 0.25, jnp.bfloat16)})
+  assert state.params["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(state.params["w"], np.float32), [0.875, 0.875])
+
+
+class _Box:
+  """A user's state container: a pytree registered without keys."""
+
+  def __init__(self, items):
+    self.items = items
+
+
+jax.tree_util.register_pytree_node(_Box, lambda b: (b.items, None), lambda _, c: _Box(list(c)))
+
+
+def test_a_loss_scale_inside_a_pytree_without_keys_is_found():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0)
+  state = _Box([{"m": jnp.zeros(3)}, (tx.init({"w": jnp.zeros(2)}),)])
+  assert float(jaxamp.loss_scale(state)) == 64.0
