@@ -128,3 +128,15 @@ def test_complex_gradients_accumulate_both_parts():
   for g in grads:
     updates, state = tx.update({"w": jnp.asarray(g)}, state)
   np.testing.assert_array_equal(updates["w"], -(grads[0] + grads[1]) / 2)
+
+
+def test_with_axis_name_one_device_overflowing_skips_the_step_on_every_device():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, axis_name="d")
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  grads = {"w": jnp.array([[4.0, 8.0], [jnp.inf, 4.0]])}  # device 1 overflows
+  step = jax.vmap(tx.update, in_axes=(0, None, None), axis_name="d")
+  updates, new = jax.jit(step)(grads, state, params)
+  np.testing.assert_array_equal(updates["w"], np.zeros((2, 2)))
+  np.testing.assert_array_equal(new.scale, [2.0, 2.0])
+  np.testing.assert_array_equal(new.skipped, [True, True])
