@@ -59,3 +59,68 @@ def test_hysteresis_tracker_is_saved_and_restored():
   fresh = make()
   fresh.update_params(bad_loss, X, jnp.asarray(True))
   assert fresh.get_scale() == 8.0
+
+
+def test_backward_all_adds_each_wrappers_gradient_with_aux_and_keyword_arguments():
+  wrappers = jaxamp.OptimWrapperDict(a=jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)}),
+                                     b=jaxamp.OptimWrapper(optax.sgd(0.1), {"v": jnp.ones(1)}))
+
+  def loss(ps, x, *, k):
+    return jnp.sum(ps["a"]["w"] * x) * k + 3.0 * jnp.sum(ps["b"]["v"]), {"k": k}
+
+  x = jnp.array([1.0, 2.0])
+  out, aux = wrappers.backward_all(loss, x, has_aux=True, k=2.0)
+  assert float(out) == 9.0 and aux == {"k": 2.0}
+  np.testing.assert_array_equal(wrappers["a"].grads["w"], [2.0, 4.0])
+  np.testing.assert_array_equal(wrappers["b"].grads["v"], [3.0])
+  wrappers.backward_all(lambda ps, x: jnp.sum(ps["a"]["w"] * x), x)  # plain: added, unscaled
+  np.testing.assert_array_equal(wrappers["a"].grads["w"], [3.0, 6.0])
+  np.testing.assert_array_equal(wrappers["b"].grads["v"], [3.0])
+
+
+def test_a_missing_name_error_reads_as_given():
+  from jaxamp._src.facade.errors import AssertionKeyError
+  assert str(AssertionKeyError("no wrapper 'c'")) == "no wrapper 'c'"
+  assert str(AssertionKeyError()) == ""
+
+
+@pytest.mark.parametrize("bad", [2.5, "4", True])
+def test_count_status_refuses_a_max_counts_that_is_not_an_int(bad):
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
+  with pytest.raises(TypeError, match="max_counts must be an int"):
+    wrapper.initialize_count_status(None, 0, bad)
+
+
+def test_torch_repr_tells_an_enabled_scaler_from_a_disabled_one():
+  assert repr(jaxamp.GradScaler(enabled=False)) == "GradScaler(enabled=False)"
+  assert "growth_interval=2000" in repr(jaxamp.GradScaler())
+
+
+def test_a_stall_names_only_the_leaves_that_hold_inf_or_nan():
+  from tests.test_diagnostics import _torch_loop
+  with pytest.raises(jaxamp.StalledError, match=r"\(in \['dec'\]\)"):
+    _torch_loop(40, stall_after=8, stall_check_every=2, on_stall="raise")
+
+
+def _torch_adam_amsgrad(grads, lr=0.1, b1=0.9, b2=0.999, eps=1e-8):
+  """PyTorch's Adam with amsgrad=True on one scalar, in float64."""
+  p, m, v, v_max = 1.0, 0.0, 0.0, 0.0
+  for t, g in enumerate(grads, 1):
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    v_max = max(v_max, v)
+    p -= lr / (1 - b1**t) * m / (np.sqrt(v_max) / np.sqrt(1 - b2**t) + eps)
+  return p
+
+
+def _linear(p, g):
+  return jnp.sum(p["w"]) * g
+
+
+def test_adam_with_amsgrad_divides_by_the_largest_second_moment():
+  wrapper = jaxamp.build_optim_wrapper({"w": jnp.ones(1)}, dict(
+      optimizer=dict(type="Adam", lr=0.1, amsgrad=True)))
+  grads = [1.0, 0.01, 0.01]  # the second moment falls after the first step
+  for g in grads:
+    wrapper.update_params(_linear, jnp.float32(g))
+  np.testing.assert_allclose(float(wrapper.params["w"][0]), _torch_adam_amsgrad(grads),
+                             rtol=1e-5)
