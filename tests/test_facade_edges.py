@@ -124,3 +124,43 @@ def test_adam_with_amsgrad_divides_by_the_largest_second_moment():
     wrapper.update_params(_linear, jnp.float32(g))
   np.testing.assert_allclose(float(wrapper.params["w"][0]), _torch_adam_amsgrad(grads),
                              rtol=1e-5)
+
+
+def test_a_state_dict_with_a_python_number_for_a_scalar_leaf_loads_in_the_leafs_dtype():
+  # A checkpoint written through JSON or by hand holds plain numbers for the step counts.
+  wrapper = jaxamp.OptimWrapper(optax.adam(0.1), {"w": jnp.ones(2)})
+  state_dict = wrapper.state_dict()
+  adam, empty = state_dict["state"]
+  state_dict["state"] = (adam._replace(count=5), empty)
+  wrapper.load_state_dict(state_dict)
+  count = wrapper.opt_state[0].count
+  assert count.dtype == jnp.int32 and int(count) == 5
+
+
+def test_a_bad_beta_is_refused_naming_which_one():
+  wrapper = jaxamp.build_optim_wrapper({"w": jnp.ones(2)}, dict(
+      optimizer=dict(type="Adam", lr=0.1)))
+  with pytest.raises(TypeError, match=r"betas\[0\]"):
+    wrapper.param_groups[0]["betas"] = ("x", 0.999)
+  generic = jaxamp.OptimWrapper(optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+                                {"w": jnp.ones(2)})
+  with pytest.raises(TypeError, match=r"\]: betas must be a pair"):
+    generic.param_groups[0]["betas"] = 0.9
+
+
+def test_setting_a_hyperparameter_the_state_does_not_hold_names_where():
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
+  with pytest.raises(ValueError, match=r"^param_groups\[0\]\['lr'\]: this optimizer"):
+    wrapper.param_groups[0]["lr"] = 0.5
+  state_dict = wrapper.state_dict()
+  state_dict["param_groups"][0]["lr"] = 0.5
+  with pytest.raises(ValueError, match=r"^state_dict\['param_groups'\]\[0\]\['lr'\]: this"):
+    wrapper.load_state_dict(state_dict)
+
+
+def test_an_optim_wrapper_dict_points_to_its_wrappers():
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
+  wrappers = jaxamp.OptimWrapperDict(gen=wrapper)
+  with pytest.raises(AttributeError, match=r"read wrappers\['gen'\]\.optimizer"):
+    wrappers.optimizer
+  assert "name: gen\n" + repr(wrapper) in repr(wrappers)
