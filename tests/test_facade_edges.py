@@ -5,6 +5,7 @@ Paddle's ``unscale_`` accepts float16 gradients (PyTorch's refuses them); mmengi
 ``AmpOptimWrapper`` with hysteresis saves and restores the overflows it has counted.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -164,3 +165,31 @@ def test_an_optim_wrapper_dict_points_to_its_wrappers():
   with pytest.raises(AttributeError, match=r"read wrappers\['gen'\]\.optimizer"):
     wrappers.optimizer
   assert "name: gen\n" + repr(wrapper) in repr(wrappers)
+
+
+def test_the_longest_matching_custom_key_wins():
+  # mmengine tries the custom keys longest first: "head.x" before "x", whatever their order.
+  params = {"head": {"x": jnp.ones(2)}, "x": jnp.ones(2)}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(
+      optimizer=dict(type="SGD", lr=1.0),
+      paramwise_cfg=dict(custom_keys={"x": dict(lr_mult=2.0), "head.x": dict(lr_mult=3.0)})))
+  wrapper.update_params(_sum_all, jnp.float32(1.0))
+  np.testing.assert_allclose(wrapper.params["head"]["x"], [-2.0, -2.0])  # 1 - 3 * 1.0
+  np.testing.assert_allclose(wrapper.params["x"], [-1.0, -1.0])  # 1 - 2 * 1.0
+
+
+def _sum_all(p, k):
+  return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(p)) * k
+
+
+def test_a_scaler_state_without_a_hysteresis_tracker_loads_as_no_overflow_counted():
+  # PyTorch's GradScaler state (what mmengine saves) has no tracker: none counted yet.
+  def make():
+    return jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
+                                  loss_scale=dict(init_scale=8.0, hysteresis=2))
+  saved = make().state_dict()
+  del saved["loss_scaler"]["_hysteresis_tracker"]
+  restored = make()
+  restored.load_state_dict(saved)
+  restored.update_params(bad_loss, X, jnp.asarray(True))  # the first overflow: no back-off
+  assert restored.get_scale() == 8.0
