@@ -193,3 +193,23 @@ def test_a_scaler_state_without_a_hysteresis_tracker_loads_as_no_overflow_counte
   restored.load_state_dict(saved)
   restored.update_params(bad_loss, X, jnp.asarray(True))  # the first overflow: no back-off
   assert restored.get_scale() == 8.0
+
+
+def test_scale_factors_may_be_concrete_scalar_arrays():
+  scaler = jaxamp.GradScaler(init_scale=2.0, growth_factor=jnp.float32(4.0))
+  assert float(scaler.get_growth_factor()) == 4.0
+  paddle = jaxamp.paddle.GradScaler(incr_ratio=np.float32(3.0), decr_ratio=jnp.float32(0.25))
+  assert float(paddle.get_decr_ratio()) == 0.25
+
+
+def _loss_with_config(p, x, config):
+  return jnp.sum(p["w"] * x) * config[0]
+
+
+def test_an_equal_static_argument_built_afresh_each_step_compiles_once():
+  # A tuple made anew at every step is equal to the last one: no recompilation (which would
+  # warn, and warnings are errors here), and the same result.
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
+  for step in range(3):
+    wrapper.update_params(_loss_with_config, jnp.ones(2), tuple([2.0, str(step // 10)]))
+  np.testing.assert_allclose(wrapper.params["w"], [1.0 - 3 * 0.2] * 2, rtol=1e-6)
