@@ -213,3 +213,14 @@ def test_an_equal_static_argument_built_afresh_each_step_compiles_once():
   for step in range(3):
     wrapper.update_params(_loss_with_config, jnp.ones(2), tuple([2.0, str(step // 10)]))
   np.testing.assert_allclose(wrapper.params["w"], [1.0 - 3 * 0.2] * 2, rtol=1e-6)
+
+
+def test_params_on_an_explicit_mesh_keep_their_sharding_through_a_step():
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Explicit,))
+  sharding = NamedSharding(mesh, PartitionSpec("d"))
+  params = {"w": jax.device_put(jnp.ones(2), sharding)}
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.5), params)
+  wrapper.update_params(_sum_all, jnp.float32(1.0))
+  assert wrapper.params["w"].sharding == sharding
+  np.testing.assert_array_equal(wrapper.params["w"], [0.5, 0.5])
