@@ -213,6 +213,8 @@ def test_an_equal_static_argument_built_afresh_each_step_compiles_once():
   for step in range(3):
     wrapper.update_params(_loss_with_config, jnp.ones(2), tuple([2.0, str(step // 10)]))
   np.testing.assert_allclose(wrapper.params["w"], [1.0 - 3 * 0.2] * 2, rtol=1e-6)
+  from tests._tracing import trace_counts
+  assert dict(trace_counts(wrapper)) == {"fused": 1}
 
 
 def test_params_on_an_explicit_mesh_keep_their_sharding_through_a_step():
