@@ -163,7 +163,7 @@ def test_an_optim_wrapper_dict_points_to_its_wrappers():
   wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
   wrappers = jaxamp.OptimWrapperDict(gen=wrapper)
   with pytest.raises(AttributeError, match=r"read wrappers\['gen'\]\.optimizer"):
-    wrappers.optimizer
+    _ = wrappers.optimizer
   assert "name: gen\n" + repr(wrapper) in repr(wrappers)
 
 
