@@ -45,7 +45,7 @@ import jaxamp  # noqa: E402
 from benchmarks import bench_train_step as train_step  # noqa: E402
 from benchmarks.bench_loss_scale import INIT_SCALE, with_apply_if_finite  # noqa: E402
 from benchmarks.common import device_summary  # noqa: E402
-from jaxamp._src import finite, loss_scale, selective_update  # noqa: E402
+from jaxamp._src import finite, loss_scale, selective_update, validation  # noqa: E402
 
 PHASES = ("trace", "lower", "compile")
 # CPU seconds of this process (all its threads): other processes on a shared machine slow the
@@ -168,7 +168,7 @@ def _no_check(grads, scale, axis_name=None, witnesses=None):
 
 def _simple_unscale(tree, scale):
   inv = (1.0 / jnp.asarray(scale, jnp.float32))
-  return jax.tree.map(lambda g: (g * inv.astype(g.dtype)) if finite._is_float(g) else g, tree)
+  return jax.tree.map(lambda g: (g * inv.astype(g.dtype)) if validation.is_inexact(g) else g, tree)
 
 
 def _no_selection(pred, update, old_state, watch=(), unscaled_from=None):
