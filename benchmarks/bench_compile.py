@@ -45,7 +45,7 @@ import jaxamp  # noqa: E402
 from benchmarks import bench_train_step as train_step  # noqa: E402
 from benchmarks.bench_loss_scale import INIT_SCALE, with_apply_if_finite  # noqa: E402
 from benchmarks.common import device_summary  # noqa: E402
-from jaxamp._src import finite, loss_scale, selective_update  # noqa: E402
+from jaxamp._src import finite, loss_scale, selective_update, validation  # noqa: E402
 
 PHASES = ("trace", "lower", "compile")
 # CPU seconds of this process (all its threads): other processes on a shared machine slow the
@@ -147,37 +147,22 @@ def _patch(module, name, value):
   return patched
 
 
-def _no_exact_check(grads, scale, axis_name=None, witnesses=None):
-  # The quick check alone: no conditional, no per-leaf flags.
-  del axis_name
-  leaves = finite.float_leaves(grads)
-  witnesses = [None] * len(leaves) if witnesses is None else witnesses
-  checks = [jnp.isfinite(w) for w in witnesses if w is not None]
-  checks.append(finite._probably_finite([x for x, w in zip(leaves, witnesses) if w is None]))
-  checks.append(jnp.asarray(scale, jnp.float32) >= 1.0)
-  ok = jnp.stack(checks).all()
-  return finite.Check(ok, jnp.broadcast_to(jnp.logical_not(ok), (len(leaves),)))
-
-
-def _no_check(grads, scale, axis_name=None, witnesses=None):
+def _no_check(tree, axis_name=None):
   # No check at all: every step counts as finite (the selection remains).
-  del scale, axis_name, witnesses
+  del axis_name
   ok = jnp.ones([], jnp.bool_)
-  return finite.Check(ok, jnp.zeros([len(finite.float_leaves(grads))], jnp.bool_))
+  return finite.Check(ok, jnp.zeros([len(finite.float_leaves(tree))], jnp.bool_))
 
 
 def _simple_unscale(tree, scale):
   inv = (1.0 / jnp.asarray(scale, jnp.float32))
-  return jax.tree.map(lambda g: (g * inv.astype(g.dtype)) if finite._is_float(g) else g, tree)
+  return jax.tree.map(lambda g: (g * inv.astype(g.dtype)) if validation.is_inexact(g) else g, tree)
 
 
-def _no_selection(pred, update, old_state, watch=(), unscaled_from=None):
+def _no_selection(pred, update, old_state):
   # The inner update, unselected; the predicate is still computed (for the state).
-  del old_state, unscaled_from
-  result = update()
-  if callable(pred):
-    pred([None] * len(watch))
-  return result
+  del pred, old_state
+  return update()
 
 
 def _same_scale(self, scale, growth_tracker, overflow_count, found_inf):
@@ -187,8 +172,7 @@ def _same_scale(self, scale, growth_tracker, overflow_count, found_inf):
 
 PARTS: Dict[str, Callable[[], Any]] = {
     "no_barriers": _patch(finite, "stored_once", lambda tree: tree),
-    "no_exact_check": _patch(finite, "unscaled_check", _no_exact_check),
-    "no_check": _patch(finite, "unscaled_check", _no_check),
+    "no_check": _patch(finite, "check", _no_check),
     "simple_unscale": _patch(finite, "unscale", _simple_unscale),
     "no_selection": _patch(selective_update, "select_update", _no_selection),
     "no_scale_update": _patch(loss_scale.ScaleRule, "adjust", _same_scale),

@@ -59,13 +59,14 @@ def test_the_core_trains(trained):
 
 def test_the_compile_benchmark_times_every_phase_and_restores_what_it_switches_off():
   from benchmarks import bench_compile
-  from jaxamp._src import finite
+  from jaxamp._src import finite, loss_scale, selective_update
 
   params, x, loss = bench_compile.leaf_problem(2, width=8)
-  original = finite.unscaled_check
+  modules = (finite, loss_scale.ScaleRule, selective_update)
+  before = [dict(vars(m)) for m in modules]
+  names = ["plain"] + [f"jaxamp:{part}" for part in bench_compile.PARTS]
   with jax.numpy_dtype_promotion("standard"):
-    medians, counts = bench_compile.measure(["plain", "jaxamp:no_exact_check"], optax.sgd(0.1),
-                                            loss, params, x, repeats=1)
-  assert finite.unscaled_check is original
+    medians, counts = bench_compile.measure(names, optax.sgd(0.1), loss, params, x, repeats=1)
+  assert [dict(vars(m)) for m in modules] == before
   assert all(t > 0 for m in medians.values() for t in m.values())
-  assert counts["jaxamp:no_exact_check"]["hlo_instructions"] > counts["plain"]["hlo_instructions"]
+  assert counts["jaxamp:no_check"]["hlo_instructions"] > counts["plain"]["hlo_instructions"]

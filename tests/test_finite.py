@@ -98,7 +98,7 @@ def test_unscaled_all_finite_is_all_finite_of_the_unscaled_gradients(scale, valu
 
 @pytest.mark.parametrize("scale", [1.0, 2.0**16])
 def test_a_sum_that_overflows_is_not_an_overflow(scale):
-  # The quick check sums each leaf; finite values whose sum is inf are finite.
+  # Finite values whose sum is inf are finite.
   grads = {"w": jnp.array([F32_MAX, F32_MAX, -1.0], jnp.float32), "b": jnp.ones(2)}
   assert bool(jax.jit(jaxamp.all_finite)(grads)) is True
   assert bool(_check(grads, jnp.float32(scale))) is True
@@ -161,10 +161,10 @@ def test_as_stored_rounds_what_an_accumulator_adds():
                                 [1.0, -np.inf, np.nan, -0.0])
 
 
-def test_the_exact_check_is_exact_for_sums_that_would_overflow_and_flags_each_leaf():
-  # Below scale 1 the exact check runs. 4096 elements that unscale to the largest float32 are
-  # finite (a check that summed them would overflow); one element that unscales past it is not,
-  # and only its leaf is flagged, among leaves of two dtypes.
+def test_the_check_is_exact_for_sums_that_would_overflow_and_flags_each_leaf():
+  # Below scale 1: 4096 elements that unscale to the largest float32 are finite (a check that
+  # summed them would overflow); one element that unscales past it is not, and only its leaf is
+  # flagged, among leaves of two dtypes.
   half_max = np.float32(F32_MAX / 2)
 
   @jax.jit

@@ -21,11 +21,12 @@ three rules:
    the check a finite float32 value where the stored bfloat16 is inf. (Where
    excess precision lets the update read the float32 value, that value is
    finite whenever the rounded one is: the safe direction.)
-3. **Reductions are order-free.** The quick check sums ``|x|``: terms that are
-   never negative cannot cancel, so any order of the sum is inf or nan when an
-   element is, and a finite sum proves every element finite. An overflowing
-   sum of finite values only sends the decision to the exact check. The exact
-   check reduces booleans, and the data-parallel reduction adds integers.
+3. **Reductions are order-free.** A floating leaf of 32 bits or more is
+   checked by summing ``|x| - |x|``, which is exactly +0 for a finite
+   element and nan for inf or nan: a sum of such terms is nan in any order
+   exactly when one of them is, and it cannot overflow. Other leaves reduce
+   booleans read from their bits, and the data-parallel reduction adds
+   integers.
 
 One more property keeps the check and the update on the same values: each
 loss-scaling transformation passes the raw gradients through
@@ -38,7 +39,7 @@ elemental code), which the compiled-versus-eager tests exercise.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -103,46 +104,59 @@ def nonfinite_mask(x: jax.Array) -> jax.Array:
   return (bits & exponent) == exponent
 
 
-def _exactly_finite(leaves: list) -> jax.Array:
-  """Whether every element of ``leaves`` is finite, from the bits of each element."""
-  checks = [jnp.logical_not(jnp.any(nonfinite_mask(x))) for x in leaves]
-  return jnp.stack(checks).all() if checks else jnp.array(True)
+def leaf_nonfinite(x: jax.Array) -> jax.Array:
+  """Whether the array ``x`` holds an inf or a nan: one boolean, from one reduction.
 
-
-def _probably_finite(leaves: list) -> jax.Array:
-  """A check that is never wrong when it says True.
-
-  Leaves of 32 bits or more: the sum of ``|x|`` (see the module docstring) is
-  finite. It is false for a sum of finite values that overflows, which the
-  exact check then corrects; it reads each element once through ``abs`` and
-  costs about a plain sum. Half-precision leaves are checked on their bits.
+  A real leaf of 32 bits or more sums ``|x| - |x|``, which is +0 for a
+  finite element and nan otherwise (see the module docstring); other leaves
+  (half precision, complex, float8) reduce :func:`nonfinite_mask`.
   """
-  checks = []
-  for x in leaves:
-    if x.dtype.itemsize >= 4 and not jnp.issubdtype(x.dtype, jnp.complexfloating):
-      checks.append(jnp.isfinite(jnp.sum(jnp.abs(x))))
-    else:
-      checks.append(jnp.logical_not(jnp.any(nonfinite_mask(x))))
-  return jnp.stack(checks).all() if checks else jnp.array(True)
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 4:
+    magnitude = jnp.abs(x)
+    return jnp.isnan(jnp.sum(magnitude - magnitude))
+  return jnp.any(nonfinite_mask(x))
 
 
-def _quick_answer(quick: jax.Array, *args: Any) -> jax.Array:
-  # The quick answer (True where it is taken) rather than a constant: inside
-  # ``shard_map`` it varies over the mesh axes as the exact one does.
-  del args
-  return quick
+class Check(NamedTuple):
+  """The outcome of :func:`check`.
+
+  Attributes:
+    finite: bool scalar, whether every element of every floating leaf is finite.
+    nonfinite_leaves: bool vector, for each floating leaf (in tree order)
+      whether it holds an inf or a nan.
+  """
+
+  finite: jax.Array
+  nonfinite_leaves: jax.Array
 
 
-def _exact_answer(quick: jax.Array, leaves: list) -> jax.Array:
-  del quick
-  return _exactly_finite(leaves)
+def check(tree: Any, axis_name: AxisName = None) -> Check:
+  """Whether every floating leaf of ``tree`` is finite, and which are not.
 
+  Each leaf is read once, by :func:`leaf_nonfinite`. With ``axis_name`` the
+  flags are combined across that mapped axis (or tuple of axes), so every
+  device holds the same flags and takes the same decision; see
+  :func:`all_finite`.
 
-def _reduce_over(ok: jax.Array, axes: tuple) -> jax.Array:
-  if not axes:
-    return ok
-  # psum of the failures: one integer all-reduce, the same answer everywhere.
-  return lax.psum(jnp.logical_not(ok).astype(jnp.int32), axes) == 0
+  Args:
+    tree: a pytree of arrays.
+    axis_name: as in :func:`all_finite`.
+
+  Returns:
+    A :class:`Check`.
+
+  Raises:
+    ValueError: as :func:`all_finite`.
+  """
+  axes = sharding.finite_reduction_axes(tree, axis_name)
+  leaves = float_leaves(tree)
+  flags = (jnp.stack([leaf_nonfinite(x) for x in leaves]) if leaves
+           else jnp.zeros([0], jnp.bool_))
+  if axes:
+    # One integer all-reduce: the same flags, and so the same decision, everywhere.
+    flags = lax.psum(flags.astype(jnp.int32), axes) > 0
+  return Check(jnp.logical_not(jnp.any(flags)), flags)
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
@@ -178,14 +192,7 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     >>> jaxamp.all_finite({'w': jnp.ones(3), 'b': jnp.array([1.0, jnp.inf])})
     Array(False, dtype=bool)
   """
-  axes = sharding.finite_reduction_axes(tree, axis_name)
-  leaves = float_leaves(tree)
-  # The exact check runs (in a lax.cond) only when the quick one fails; the
-  # answer comes out of the conditional, so XLA computes it once rather than
-  # in every elementwise kernel that selects with it.
-  quick = _probably_finite(leaves)
-  ok = lax.cond(quick, _quick_answer, _exact_answer, quick, leaves)
-  return _reduce_over(ok, axes)
+  return check(tree, axis_name).finite
 
 
 def as_stored(x: jax.Array) -> jax.Array:
@@ -290,92 +297,16 @@ def unscale_leaf(g: Any, unscaling: Unscaling) -> Any:
   return jnp.where(unscaling.huge, split, x * unscaling.reciprocal.astype(compute)).astype(g.dtype)
 
 
-class Check(NamedTuple):
-  """The outcome of :func:`unscaled_check`.
+def unscaled_check(grads: Any, scale: jax.Array, axis_name: AxisName = None) -> Check:
+  """:func:`check` of ``unscale(grads, scale)``: whether the unscaled gradients are finite.
 
-  Attributes:
-    finite: bool scalar, whether every unscaled gradient element is finite.
-    nonfinite_leaves: bool vector, for each floating leaf (in tree order)
-      whether it holds an inf or a nan once unscaled (all False when
-      ``finite``).
+  The check reads the unscaled gradients, the values the optimizer reads,
+  so it holds for every scale: below 1, where unscaling can overflow a
+  finite gradient, and for a nan scale, which makes every element nan.
   """
-
-  finite: jax.Array
-  nonfinite_leaves: jax.Array
+  return check(unscale(grads, scale), axis_name)
 
 
-def _quick_flags(quick: jax.Array, grads: Any, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  # The quick answer (True where this branch is taken) and no leaf flagged, typed like the
-  # exact branch's flags inside shard_map (they vary as ``quick`` does).
-  del scale
-  return quick, jnp.broadcast_to(jnp.logical_not(quick), (len(float_leaves(grads)),))
-
-
-def _exact_flags(quick: jax.Array, grads: Any, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  del quick
-  leaves = float_leaves(unscale(grads, scale))
-  flags = jnp.stack([jnp.any(nonfinite_mask(x)) for x in leaves]) if leaves else jnp.zeros(
-      [0], jnp.bool_)
-  return jnp.logical_not(jnp.any(flags)), flags
-
-
-def unscaled_check(grads: Any, scale: jax.Array, axis_name: AxisName = None,
-                   witnesses: Optional[Sequence[Optional[jax.Array]]] = None) -> Check:
-  """Whether ``unscale(grads, scale)`` is finite, and where it is not; reads the gradients once.
-
-  The quick check reads the raw (scaled) gradients, which a jitted step
-  already holds: checking the unscaled ones would make XLA compute them for
-  the check too. When ``scale >= 1`` the unscaled gradients are finite
-  exactly where the raw ones are: unscaling multiplies by factors of at most
-  1, and a rounded product is never larger in magnitude than its exact value
-  rounded, so a finite element stays finite, and inf or nan stays non-finite.
-  Otherwise (a scale below 1 or nan, an overflowing sum, a genuine inf or
-  nan) the unscaled gradients are checked exactly, on their bits, inside a
-  ``lax.cond`` that a good step skips; that branch also flags the leaves
-  that hold inf or nan, so the flags cost nothing on a good step. The
-  answer comes out of that conditional, so XLA computes it once rather than
-  in every elementwise kernel that selects with it.
-
-  Args:
-    grads: a pytree of (scaled) gradients.
-    scale: the loss scale they are divided by, as :func:`unscale` does.
-    axis_name: as in :func:`all_finite`; the flags are combined over it too,
-      so every device holds the same.
-    witnesses: one entry per floating leaf of ``grads``: a scalar that is
-      non-finite whenever the (scaled or unscaled) leaf has a non-finite
-      element (a sum of squares the inner update computes anyway, see
-      :func:`jaxamp._src.selective_update.select_update`), used by the quick
-      check instead of the leaf's own sum; or ``None``.
-
-  Returns:
-    A :class:`Check`.
-
-  Raises:
-    ValueError: as :func:`all_finite`.
-  """
-  scale = jnp.asarray(scale, jnp.float32)
-  axes = sharding.finite_reduction_axes(grads, axis_name)
-  leaves = float_leaves(grads)
-  witnesses = [None] * len(leaves) if witnesses is None else witnesses
-  checks = [jnp.isfinite(w) for w in witnesses if w is not None]
-  checks.append(_probably_finite([x for x, w in zip(leaves, witnesses) if w is None]))
-  # A NaN scale fails ``scale >= 1`` and takes the exact path.
-  checks.append(scale >= 1.0)
-  quick = jnp.stack(checks).all()
-
-  # The decision comes out of the conditional, so that XLA computes it once rather than in
-  # every elementwise kernel that selects with it. Its exact branch, which a good step skips,
-  # also flags the leaves (counting inf and nan apart there was measured to slow the good
-  # steps down 1.5x on XLA:CPU).
-  ok, flags = lax.cond(quick, _quick_flags, _exact_flags, quick, grads, scale)
-  if axes:
-    # One integer all-reduce: the same flags, and so the same decision, everywhere.
-    flags = lax.psum(flags.astype(jnp.int32), axes) > 0
-    ok = jnp.logical_not(jnp.any(flags))
-  return Check(ok, flags)
-
-
-def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None,
-                        witnesses: Optional[Sequence[Optional[jax.Array]]] = None) -> jax.Array:
-  """Returns ``all_finite(unscale(grads, scale), axis_name)``: :func:`unscaled_check`'s answer."""
-  return unscaled_check(grads, scale, axis_name, witnesses).finite
+def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None) -> jax.Array:
+  """Returns ``all_finite(unscale(grads, scale), axis_name)``."""
+  return unscaled_check(grads, scale, axis_name).finite

@@ -212,19 +212,11 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
     if len(finite.float_leaves(grads)) != state.nonfinite_leaves.shape[0]:
       raise ValueError(f"the gradients have {len(finite.float_leaves(grads))} floating leaves, the "
                        f"params the state was initialised with {state.nonfinite_leaves.shape[0]}")
-    checked = {}
-
-    def decide(witnesses):
-      # The quick check reuses any sum of squares of the gradients that the
-      # inner update makes anyway (a global-norm clip's), and reads the rest.
-      checked["check"] = finite.unscaled_check(grads, state.scale, axis_name, witnesses)
-      return checked["check"].finite
-
+    # The check reads the unscaled gradients, the values the update reads.
+    check = finite.check(unscaled, axis_name)
     updates, inner_state = selective_update.select_update(
-        decide, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
-        state.inner_state, watch=finite.float_leaves(unscaled),
-        unscaled_from=(finite.float_leaves(grads), state.scale))
-    check = checked["check"]
+        check.finite, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
+        state.inner_state)
     found_inf = jnp.logical_not(check.finite)
     scale, tracker, overflow = rule.adjust(state.scale, state.growth_tracker,
                                            state.overflow_count, found_inf)
@@ -297,15 +289,10 @@ def dynamic_loss_scale(
 
   The finite check holds whatever XLA does with the compiled step (fusion,
   FMA contraction, excess precision, reordered sums; see
-  ``docs/concepts.md``). It reads the gradients once: a sum of ``|g|`` per
-  float32 leaf, the bits of each half-precision one, and the exact check
-  on the bits only when a sum is not finite. When the inner update reduces
-  every gradient anyway, as ``optax.clip_by_global_norm`` does, its sums of
-  squares are the check and the gradients are not read again. Those sums are taken of the raw
-  gradients and scaled back where that gives the same bits (a power-of-two
-  scale of at least 1, no overflow, a normal result), and of the unscaled
-  ones otherwise; unscaled squares below the smallest normal float, which
-  XLA flushes to zero, may count. The skip costs nothing more: the inner
+  ``docs/concepts.md``). It reads each unscaled gradient once, one
+  reduction per leaf: a sum of ``|g| - |g|`` for leaves of 32 bits or more
+  (+0 for a finite element, nan otherwise, in any order), the bits of the
+  others. The skip costs nothing more: the inner
   update is traced and its new state selected where it is computed, so that
   XLA fuses the selection into the inner update's own elementwise kernels
   (see ``benchmarks/bench_loss_scale.py``).
