@@ -127,3 +127,33 @@ def test_microbatch_value_and_grad_matches_the_whole_batch():
       lambda p, b: (loss_fn(p, b), jnp.sum(b["x"])), 3, has_aux=True))(params, {"x": x})
   np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
   assert aux.shape[0] == 3  # one aux per micro-batch
+
+
+def test_microbatch_loss_scale_may_be_an_integer():
+  fn = jaxamp.microbatch_value_and_grad(lambda p, x: jnp.mean(p["w"] * x), 2)
+  loss, grads = fn({"w": jnp.float32(3.0)}, jnp.array([1.0, 2.0, 3.0, 4.0]), loss_scale=8)
+  np.testing.assert_allclose(float(loss), 7.5)  # unscaled
+  np.testing.assert_allclose(float(grads["w"]), 2.5 * 8)
+
+
+def _fp8_loss(p, x):
+  # Flax's fp8 layers put their statistics under "_overwrite_with_gradient"; their "gradient"
+  # is the new value, and micro-batches combine them by maximum, as one whole batch would.
+  return jnp.mean(p["w"] * x) + jnp.sum(p["_overwrite_with_gradient"]["amax"] * jnp.max(x))
+
+
+def test_microbatched_fp8_statistics_are_the_maximum_over_the_micro_batches():
+  params = {"w": jnp.float32(1.0), "_overwrite_with_gradient": {"amax": jnp.zeros(1)}}
+  x = jnp.array([-5.0, 2.0, -3.0, 1.0])  # micro-batches [-5, -3] and [2, 1]
+  _, grads = jax.jit(jaxamp.microbatch_value_and_grad(_fp8_loss, 2))(params, x)
+  np.testing.assert_array_equal(grads["_overwrite_with_gradient"]["amax"], [2.0])  # max(-3, 2)
+  np.testing.assert_allclose(float(grads["w"]), float(jnp.mean(x)))  # the mean, as before
+
+
+def test_microbatched_fp8_statistics_are_the_maximum_over_the_devices():
+  params = {"w": jnp.float32(1.0), "_overwrite_with_gradient": {"amax": jnp.zeros(1)}}
+  xs = jnp.array([[-5.0, 2.0, -3.0, 1.0], [4.0, -1.0, 7.0, 0.0]])  # one batch per device
+  fn = jaxamp.microbatch_value_and_grad(_fp8_loss, 2, axis_name="d")
+  _, grads = jax.jit(jax.vmap(fn, in_axes=(None, 0), axis_name="d"))(params, xs)
+  np.testing.assert_array_equal(grads["_overwrite_with_gradient"]["amax"], [[7.0], [7.0]])
+  np.testing.assert_allclose(grads["w"], [float(jnp.mean(xs))] * 2, rtol=1e-6)

@@ -107,3 +107,40 @@ def test_a_custom_vjp_with_symbolic_zeros_still_sees_them_under_autocast():
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2)
 
+
+
+def test_a_matmul_inside_shard_map_is_cast_like_one_outside():
+  mesh = jax.make_mesh((1,), ("d",))
+  spec = jax.sharding.PartitionSpec()
+
+  def f(x, y):
+    return jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(spec, spec), out_specs=spec)(x, y)
+
+  out = jax.jit(jaxamp.autocast(f, jnp.float16))(jnp.asarray(X), jnp.asarray(Y))
+  assert out.dtype == jnp.float16
+  np.testing.assert_array_equal(out, X.astype(np.float16) @ Y.astype(np.float16))
+
+
+def _batch_norm():
+  from flax import nnx
+  return nnx.BatchNorm(2, momentum=0.5, rngs=nnx.Rngs(0))
+
+
+XB = jnp.array([[1.0, 2.0], [3.0, 6.0]])
+
+
+def test_an_nnx_module_under_autocast_updates_its_statistics_as_without_it():
+  reference = _batch_norm()
+  reference(XB)
+  model = _batch_norm()
+  jaxamp.autocast(model, jnp.bfloat16)(XB)
+  np.testing.assert_array_equal(model.mean[...], reference.mean[...])
+
+
+def test_a_partial_bound_to_an_nnx_module_updates_its_statistics_as_without_it():
+  import functools
+  reference = _batch_norm()
+  reference(XB)
+  model = _batch_norm()
+  jaxamp.autocast(functools.partial(lambda m, x: m(x), model), jnp.bfloat16)(XB)
+  np.testing.assert_array_equal(model.mean[...], reference.mean[...])

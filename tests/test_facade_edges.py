@@ -5,6 +5,7 @@ Paddle's ``unscale_`` accepts float16 gradients (PyTorch's refuses them); mmengi
 ``AmpOptimWrapper`` with hysteresis saves and restores the overflows it has counted.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -59,3 +60,170 @@ def test_hysteresis_tracker_is_saved_and_restored():
   fresh = make()
   fresh.update_params(bad_loss, X, jnp.asarray(True))
   assert fresh.get_scale() == 8.0
+
+
+def test_backward_all_adds_each_wrappers_gradient_with_aux_and_keyword_arguments():
+  wrappers = jaxamp.OptimWrapperDict(a=jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)}),
+                                     b=jaxamp.OptimWrapper(optax.sgd(0.1), {"v": jnp.ones(1)}))
+
+  def loss(ps, x, *, k):
+    return jnp.sum(ps["a"]["w"] * x) * k + 3.0 * jnp.sum(ps["b"]["v"]), {"k": k}
+
+  x = jnp.array([1.0, 2.0])
+  out, aux = wrappers.backward_all(loss, x, has_aux=True, k=2.0)
+  assert float(out) == 9.0 and aux == {"k": 2.0}
+  np.testing.assert_array_equal(wrappers["a"].grads["w"], [2.0, 4.0])
+  np.testing.assert_array_equal(wrappers["b"].grads["v"], [3.0])
+  wrappers.backward_all(lambda ps, x: jnp.sum(ps["a"]["w"] * x), x)  # plain: added, unscaled
+  np.testing.assert_array_equal(wrappers["a"].grads["w"], [3.0, 6.0])
+  np.testing.assert_array_equal(wrappers["b"].grads["v"], [3.0])
+
+
+def test_a_missing_name_error_reads_as_given():
+  from jaxamp._src.facade.errors import AssertionKeyError
+  assert str(AssertionKeyError("no wrapper 'c'")) == "no wrapper 'c'"
+  assert str(AssertionKeyError()) == ""
+
+
+@pytest.mark.parametrize("bad", [2.5, "4", True])
+def test_count_status_refuses_a_max_counts_that_is_not_an_int(bad):
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
+  with pytest.raises(TypeError, match="max_counts must be an int"):
+    wrapper.initialize_count_status(None, 0, bad)
+
+
+def test_torch_repr_tells_an_enabled_scaler_from_a_disabled_one():
+  assert repr(jaxamp.GradScaler(enabled=False)) == "GradScaler(enabled=False)"
+  assert "growth_interval=2000" in repr(jaxamp.GradScaler())
+
+
+def test_a_stall_names_only_the_leaves_that_hold_inf_or_nan():
+  from tests.test_diagnostics import _torch_loop
+  with pytest.raises(jaxamp.StalledError, match=r"\(in \['dec'\]\)"):
+    _torch_loop(40, stall_after=8, stall_check_every=2, on_stall="raise")
+
+
+def _torch_adam_amsgrad(grads, lr=0.1, b1=0.9, b2=0.999, eps=1e-8):
+  """PyTorch's Adam with amsgrad=True on one scalar, in float64."""
+  p, m, v, v_max = 1.0, 0.0, 0.0, 0.0
+  for t, g in enumerate(grads, 1):
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    v_max = max(v_max, v)
+    p -= lr / (1 - b1**t) * m / (np.sqrt(v_max) / np.sqrt(1 - b2**t) + eps)
+  return p
+
+
+def _linear(p, g):
+  return jnp.sum(p["w"]) * g
+
+
+def test_adam_with_amsgrad_divides_by_the_largest_second_moment():
+  wrapper = jaxamp.build_optim_wrapper({"w": jnp.ones(1)}, dict(
+      optimizer=dict(type="Adam", lr=0.1, amsgrad=True)))
+  grads = [1.0, 0.01, 0.01]  # the second moment falls after the first step
+  for g in grads:
+    wrapper.update_params(_linear, jnp.float32(g))
+  np.testing.assert_allclose(float(wrapper.params["w"][0]), _torch_adam_amsgrad(grads),
+                             rtol=1e-5)
+
+
+def test_a_state_dict_with_a_python_number_for_a_scalar_leaf_loads_in_the_leafs_dtype():
+  # A checkpoint written through JSON or by hand holds plain numbers for the step counts.
+  wrapper = jaxamp.OptimWrapper(optax.adam(0.1), {"w": jnp.ones(2)})
+  state_dict = wrapper.state_dict()
+  adam, empty = state_dict["state"]
+  state_dict["state"] = (adam._replace(count=5), empty)
+  wrapper.load_state_dict(state_dict)
+  count = wrapper.opt_state[0].count
+  assert count.dtype == jnp.int32 and int(count) == 5
+
+
+def test_a_bad_beta_is_refused_naming_which_one():
+  wrapper = jaxamp.build_optim_wrapper({"w": jnp.ones(2)}, dict(
+      optimizer=dict(type="Adam", lr=0.1)))
+  with pytest.raises(TypeError, match=r"betas\[0\]"):
+    wrapper.param_groups[0]["betas"] = ("x", 0.999)
+  generic = jaxamp.OptimWrapper(optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+                                {"w": jnp.ones(2)})
+  with pytest.raises(TypeError, match=r"\]: betas must be a pair"):
+    generic.param_groups[0]["betas"] = 0.9
+
+
+def test_setting_a_hyperparameter_the_state_does_not_hold_names_where():
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
+  with pytest.raises(ValueError, match=r"^param_groups\[0\]\['lr'\]: this optimizer"):
+    wrapper.param_groups[0]["lr"] = 0.5
+  state_dict = wrapper.state_dict()
+  state_dict["param_groups"][0]["lr"] = 0.5
+  with pytest.raises(ValueError, match=r"^state_dict\['param_groups'\]\[0\]\['lr'\]: this"):
+    wrapper.load_state_dict(state_dict)
+
+
+def test_an_optim_wrapper_dict_points_to_its_wrappers():
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
+  wrappers = jaxamp.OptimWrapperDict(gen=wrapper)
+  with pytest.raises(AttributeError, match=r"read wrappers\['gen'\]\.optimizer"):
+    _ = wrappers.optimizer
+  assert "name: gen\n" + repr(wrapper) in repr(wrappers)
+
+
+def test_the_longest_matching_custom_key_wins():
+  # mmengine tries the custom keys longest first: "head.x" before "x", whatever their order.
+  params = {"head": {"x": jnp.ones(2)}, "x": jnp.ones(2)}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(
+      optimizer=dict(type="SGD", lr=1.0),
+      paramwise_cfg=dict(custom_keys={"x": dict(lr_mult=2.0), "head.x": dict(lr_mult=3.0)})))
+  wrapper.update_params(_sum_all, jnp.float32(1.0))
+  np.testing.assert_allclose(wrapper.params["head"]["x"], [-2.0, -2.0])  # 1 - 3 * 1.0
+  np.testing.assert_allclose(wrapper.params["x"], [-1.0, -1.0])  # 1 - 2 * 1.0
+
+
+def _sum_all(p, k):
+  return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(p)) * k
+
+
+def test_a_scaler_state_without_a_hysteresis_tracker_loads_as_no_overflow_counted():
+  # PyTorch's GradScaler state (what mmengine saves) has no tracker: none counted yet.
+  def make():
+    return jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
+                                  loss_scale=dict(init_scale=8.0, hysteresis=2))
+  saved = make().state_dict()
+  del saved["loss_scaler"]["_hysteresis_tracker"]
+  restored = make()
+  restored.load_state_dict(saved)
+  restored.update_params(bad_loss, X, jnp.asarray(True))  # the first overflow: no back-off
+  assert restored.get_scale() == 8.0
+
+
+def test_scale_factors_may_be_concrete_scalar_arrays():
+  scaler = jaxamp.GradScaler(init_scale=2.0, growth_factor=jnp.float32(4.0))
+  assert float(scaler.get_growth_factor()) == 4.0
+  paddle = jaxamp.paddle.GradScaler(incr_ratio=np.float32(3.0), decr_ratio=jnp.float32(0.25))
+  assert float(paddle.get_decr_ratio()) == 0.25
+
+
+def _loss_with_config(p, x, config):
+  return jnp.sum(p["w"] * x) * config[0]
+
+
+def test_an_equal_static_argument_built_afresh_each_step_compiles_once():
+  # A tuple made anew at every step is equal to the last one: no recompilation (which would
+  # warn, and warnings are errors here), and the same result.
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
+  for step in range(3):
+    wrapper.update_params(_loss_with_config, jnp.ones(2), tuple([2.0, str(step // 10)]))
+  np.testing.assert_allclose(wrapper.params["w"], [1.0 - 3 * 0.2] * 2, rtol=1e-6)
+  from tests._tracing import trace_counts
+  assert dict(trace_counts(wrapper)) == {"fused": 1}
+
+
+def test_params_on_an_explicit_mesh_keep_their_sharding_through_a_step():
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Explicit,))
+  sharding = NamedSharding(mesh, PartitionSpec("d"))
+  params = {"w": jax.device_put(jnp.ones(2), sharding)}
+  wrapper = jaxamp.OptimWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.5), params)
+  for _ in range(3):  # the same shardings at every step: one compilation
+    wrapper.update_params(_sum_all, jnp.float32(1.0))
+  assert wrapper.params["w"].sharding == sharding
+  np.testing.assert_array_equal(wrapper.params["w"], [-0.5, -0.5])

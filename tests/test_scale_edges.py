@@ -113,3 +113,30 @@ def test_static_scale_never_moves_but_still_skips():
     assert float(state.scale) == 2.0**20
   assert int(state.skipped_steps) == 2
   np.testing.assert_array_equal(updates["w"], [-2.0])
+
+
+def test_all_finite_over_an_axis_is_false_on_every_device_when_one_overflows():
+  f = jax.vmap(lambda x: jaxamp.all_finite({"x": x}, axis_name="d"), axis_name="d")
+  np.testing.assert_array_equal(f(jnp.array([[1.0, 2.0], [jnp.inf, 0.0]])), [False, False])
+  np.testing.assert_array_equal(f(jnp.ones((2, 2))), [True, True])
+
+
+def test_complex_gradients_accumulate_both_parts():
+  tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 2)
+  state = tx.init({"w": jnp.zeros(2, jnp.complex64)})
+  grads = [np.array([1 + 2j, 3j], np.complex64), np.array([3 + 0j, 1 - 1j], np.complex64)]
+  for g in grads:
+    updates, state = tx.update({"w": jnp.asarray(g)}, state)
+  np.testing.assert_array_equal(updates["w"], -(grads[0] + grads[1]) / 2)
+
+
+def test_with_axis_name_one_device_overflowing_skips_the_step_on_every_device():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, axis_name="d")
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  grads = {"w": jnp.array([[4.0, 8.0], [jnp.inf, 4.0]])}  # device 1 overflows
+  step = jax.vmap(tx.update, in_axes=(0, None, None), axis_name="d")
+  updates, new = jax.jit(step)(grads, state, params)
+  np.testing.assert_array_equal(updates["w"], np.zeros((2, 2)))
+  np.testing.assert_array_equal(new.scale, [2.0, 2.0])
+  np.testing.assert_array_equal(new.skipped, [True, True])

@@ -166,3 +166,85 @@ def test_opt_state_is_what_tx_init_gives_without_fp8_layers():
   state = _stats_state()
   expected = state.tx.init(state.params)
   assert jax.tree.structure(state.opt_state) == jax.tree.structure(expected)
+
+
+def test_a_scalar_leaf_counts_in_the_total_norm():
+  # A scalar parameter's gradient (a bias, a temperature) is part of the norm like any leaf.
+  grads = {"t": jnp.array(3.0), "w": jnp.array([4.0])}
+  np.testing.assert_allclose(float(jaxamp.total_grad_norm(grads)), 5.0, rtol=1e-6)
+  np.testing.assert_allclose(float(jaxamp.total_grad_norm({"t": jnp.array(-2.0)}, 1.0)), 2.0)
+
+
+@pytest.mark.parametrize("bad", [None, [2.0], 2j])
+def test_a_norm_order_of_the_wrong_type_is_refused_naming_it(bad):
+  with pytest.raises(TypeError, match="norm_type"):
+    jaxamp.clip_grad_norm(1.0, bad)
+
+
+def test_set_loss_scale_accepts_a_traced_integer_scale():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init({"w": jnp.zeros(2)})
+  state = jax.jit(jaxamp.set_loss_scale)(state, jnp.int32(512))
+  assert float(jaxamp.loss_scale(state)) == 512.0
+  with pytest.raises(TypeError, match="real scalar"):
+    jax.jit(jaxamp.set_loss_scale)(state, jnp.array(True))
+
+
+def test_an_upgraded_state_refuses_a_missing_moment_rather_than_zeroing_it():
+  # The momentum of a checkpoint restored as None is not replaced by the template's zeros.
+  params = {"w": jnp.zeros(2)}
+  template = jaxamp.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9)).init(params)
+  old = {"scale": 1024.0, "growth_tracker": 5, "overflow_count": 0, "skipped": False,
+         "skipped_steps": 3, "inner_state": [{"trace": None}, {}]}
+  with pytest.raises(ValueError, match="trace"):
+    jaxamp.upgrade_opt_state(old, template)
+  old["inner_state"][0]["trace"] = {"w": [0.5, -1.0]}
+  state = jaxamp.upgrade_opt_state(old, template)
+  np.testing.assert_array_equal(state.inner_state[0].trace["w"], [0.5, -1.0])
+
+
+def test_the_train_state_step_metrics_are_those_of_its_optimizer_state():
+  state = _stats_state()
+  state = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])}, stats=state.stats)
+  metrics = state.step_metrics()
+  assert float(metrics["loss_scale"]) == 1.0  # halved from 2 by the skipped step
+  assert bool(metrics["skipped"]) and int(metrics["skipped_steps"]) == 1
+
+
+def test_stale_report_names_each_bfloat16_leaf_with_its_lost_fraction():
+  params = {"a": jnp.ones(4, jnp.bfloat16), "b": jnp.ones(2, jnp.bfloat16), "f": jnp.ones(2)}
+  tx = jaxamp.low_precision_params(optax.sgd(1.0), "kahan")
+  # Half of a's updates (1e-4 on 1.0) are lost in bfloat16; none of b's (0.5); a zero update
+  # is not counted as lost.
+  grads = {"a": jnp.array([1e-4, 1e-4, 0.5, 0.0], jnp.bfloat16),
+           "b": jnp.full(2, 0.5, jnp.bfloat16), "f": jnp.ones(2)}
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert jaxamp.stale_report(state, params) == {"['a']": 0.5, "['b']": 0.0}
+
+
+def test_a_train_state_of_bfloat16_params_takes_low_precision_steps_under_strict_promotion():
+  # The suite runs under strict dtype promotion; the float32 updates of low_precision_params
+  # still reach bfloat16 params, rounded to nearest (1 - 0.5 * 0.25 = 0.875 is exact).
+  params = {"w": jnp.ones(2, jnp.bfloat16)}
+  state = jaxamp.TrainState.create(
+      apply_fn=None, params=params,
+      tx=jaxamp.low_precision_params(optax.sgd(0.5), "nearest"))
+  state = state.apply_gradients(grads={"w": jnp.full(2, 0.25, jnp.bfloat16)})
+  assert state.params["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(state.params["w"], np.float32), [0.875, 0.875])
+
+
+class _Box:
+  """A user's state container: a pytree registered without keys."""
+
+  def __init__(self, items):
+    self.items = items
+
+
+jax.tree_util.register_pytree_node(_Box, lambda b: (b.items, None), lambda _, c: _Box(list(c)))
+
+
+def test_a_loss_scale_inside_a_pytree_without_keys_is_found():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0)
+  state = _Box([{"m": jnp.zeros(3)}, (tx.init({"w": jnp.zeros(2)}),)])
+  assert float(jaxamp.loss_scale(state)) == 64.0
