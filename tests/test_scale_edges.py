@@ -140,3 +140,43 @@ def test_with_axis_name_one_device_overflowing_skips_the_step_on_every_device():
   np.testing.assert_array_equal(updates["w"], np.zeros((2, 2)))
   np.testing.assert_array_equal(new.scale, [2.0, 2.0])
   np.testing.assert_array_equal(new.skipped, [True, True])
+
+
+def test_min_scale_equal_to_max_scale_pins_the_scale():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**10, growth_interval=1,
+                                 min_scale=2.0**10, max_scale=2.0**10, on_stall="ignore")
+  params = {"w": jnp.zeros(1, jnp.float32)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for g in (1.0, jnp.inf, 1.0):
+    _, state = step({"w": jnp.full(1, g, jnp.float32)}, state, params)
+    assert float(state.scale) == 2.0**10
+
+
+def test_a_state_that_holds_the_gradient_itself_is_kept_on_a_skipped_step():
+  """An inner update may return an input unchanged as its new state (here the gradient)."""
+  inner = optax.GradientTransformation(lambda p: {"last": jax.tree.map(jnp.zeros_like, p)},
+                                       lambda u, s, p=None: (u, {"last": u}))
+  tx = jaxamp.dynamic_loss_scale(inner, init_scale=1.0)
+  params = {"w": jnp.ones(2, jnp.float32)}
+  step = jax.jit(tx.update)
+  _, state = step({"w": jnp.array([1.0, 2.0])}, tx.init(params), params)
+  _, state = step({"w": jnp.array([jnp.inf, 2.0])}, state, params)
+  assert bool(state.skipped)
+  np.testing.assert_array_equal(state.inner_state["last"]["w"], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("make", [
+    lambda tx: jaxamp.dynamic_loss_scale(tx, init_scale=1.0, stall_after=3),
+    lambda tx: jaxamp.static_loss_scale(tx, 1.0, stall_after=3),
+], ids=["dynamic_loss_scale", "static_loss_scale"])
+def test_the_stall_warning_names_the_transformation_to_reconfigure(make, request):
+  name = request.node.callspec.id
+  tx = make(optax.sgd(1.0))
+  params = {"w": jnp.zeros(1, jnp.float32)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  with pytest.warns(jaxamp.StallWarning, match=rf"jaxamp\.{name}: .*Pass {name}\(\.\.\., "):
+    for _ in range(3):
+      _, state = step({"w": jnp.full(1, jnp.nan, jnp.float32)}, state, params)
+    jax.effects_barrier()

@@ -297,16 +297,16 @@ def unscale_leaf(g: Any, unscaling: Unscaling) -> Any:
   return jnp.where(unscaling.huge, split, x * unscaling.reciprocal.astype(compute)).astype(g.dtype)
 
 
-def unscaled_check(grads: Any, scale: jax.Array, axis_name: AxisName = None) -> Check:
+def unscaled_check(grads: Any, scale: jax.Array) -> Check:
   """:func:`check` of ``unscale(grads, scale)``: whether the unscaled gradients are finite.
 
   The check reads the unscaled gradients, the values the optimizer reads,
   so it holds for every scale: below 1, where unscaling can overflow a
   finite gradient, and for a nan scale, which makes every element nan.
   """
-  return check(unscale(grads, scale), axis_name)
+  return check(unscale(grads, scale))
 
 
-def unscaled_all_finite(grads: Any, scale: jax.Array, axis_name: AxisName = None) -> jax.Array:
-  """Returns ``all_finite(unscale(grads, scale), axis_name)``."""
-  return unscaled_check(grads, scale, axis_name).finite
+def unscaled_all_finite(grads: Any, scale: jax.Array) -> jax.Array:
+  """Returns ``all_finite(unscale(grads, scale))``."""
+  return unscaled_check(grads, scale).finite
