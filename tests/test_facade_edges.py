@@ -5,15 +5,22 @@ Paddle's ``unscale_`` accepts float16 gradients (PyTorch's refuses them); mmengi
 ``AmpOptimWrapper`` with hysteresis saves and restores the overflows it has counted.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
+from flax.linen import fp8_ops
+from flax.training import train_state as flax_train_state
 
 import jaxamp
 from tests.test_amp_optim_wrapper import bad_loss, w_params, X
 from tests.test_grad_scaler import Holder
+
+OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 
 
 def test_paddle_unscale_divides_float16_gradients_in_their_dtype():
@@ -227,3 +234,81 @@ def test_params_on_an_explicit_mesh_keep_their_sharding_through_a_step():
     wrapper.update_params(_sum_all, jnp.float32(1.0))
   assert wrapper.params["w"].sharding == sharding
   np.testing.assert_array_equal(wrapper.params["w"], [-0.5, -0.5])
+
+
+# -- the gradients a scaler unscales and checks ---------------------------------------------------
+
+
+class _Fp8Dense(nn.Module):
+  """One fp8 layer without bias: an overflowing output gradient saturates in e5m2, so that the
+  kernel's gradient stays finite and only the returned amax is inf."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, use_bias=False, dot_general_cls=functools.partial(
+        fp8_ops.Fp8DirectDotGeneralOp, amax_history_length=4))(x)
+
+
+def _fp8_loss(v, x):
+  return jnp.mean(_Fp8Dense().apply(v, x) ** 2)
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_unscale_checks_the_values_flax_fp8_layers_return_and_leaves_them_unscaled(overflow):
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 8))
+  variables = jax.jit(_Fp8Dense().init)(jax.random.PRNGKey(1), x)
+  scale = 2.0**126 if overflow else 2.0**16  # 2**126: the output gradients overflow float32
+  x = x * 1e6 if overflow else x
+  grads = jax.jit(jax.grad(lambda v: scale * _fp8_loss(v, x)))(variables)
+  returned = grads[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]
+  assert np.isfinite(returned["output_grad_amax_history"][0]) != overflow
+  assert np.all(np.isfinite(grads["params"]["Dense_0"]["kernel"]))  # saturated: finite
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), variables)
+  scaler = jaxamp.GradScaler(init_scale=scale)
+  wrapper.backward(scaler.scale(_fp8_loss), x)
+  scaler.unscale_(wrapper)  # PyTorch's recipe: unscale (to clip, say), then step
+  scaler.step(wrapper)
+  scaler.update()
+  if overflow:  # skipped, as for an inf gradient: nothing written, the scale backs off
+    want, want_scale = variables, scale / 2
+  else:  # flax's TrainState on the unscaled gradients, the fp8 values as returned
+    want = flax_train_state.TrainState.create(
+        apply_fn=None, params=variables, tx=optax.sgd(0.1)).apply_gradients(
+            grads={**grads, "params": jax.tree.map(lambda g: g / scale, grads["params"])}).params
+    want_scale = scale
+  assert scaler.get_scale() == want_scale
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), wrapper.params, want)
+
+
+def test_a_holder_with_an_empty_gradient_tree_has_no_inf_checks_recorded():
+  # PyTorch's step raises when no parameter has a gradient: an empty tree holds none either.
+  scaler = jaxamp.GradScaler()
+  scaler.scale(jnp.float32(1.0))
+  opt = Holder({"w": jnp.ones(2)}, optax.sgd(1.0))
+  opt.grads = {}
+  with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+    scaler.step(opt)
+  assert opt.applied == 0
+
+
+def test_unscale_leaves_the_arrays_a_holder_without_donation_was_given_readable():
+  scaler = jaxamp.GradScaler(init_scale=8.0)
+  scaler.scale(jnp.float32(1.0))
+  opt = Holder({"w": jnp.zeros(2)}, optax.sgd(1.0))
+  scaled = {"w": jnp.array([8.0, -4.0])}
+  opt.grads = scaled  # the holder has no `donate`: its gradients may be the user's arrays
+  scaler.unscale_(opt)
+  np.testing.assert_array_equal(opt.grads["w"], [1.0, -0.5])
+  np.testing.assert_array_equal(scaled["w"], [8.0, -4.0])
+
+
+def test_paddle_steps_float16_gradients_in_one_call():
+  # Paddle's step accepts float16 gradients; the wrapper unscales, checks and applies at once.
+  opt = jaxamp.OptimWrapper(optax.sgd(0.5), {"w": jnp.ones(2, jnp.float16)})
+  scaler = jaxamp.paddle.GradScaler(init_loss_scaling=1024.0)
+  loss = lambda p, x: jnp.sum(p["w"] * x).astype(jnp.float32)  # noqa: E731
+  opt.backward(scaler.scale(loss), jnp.array([1.0, 2.0], jnp.float16))
+  scaler.step(opt)
+  scaler.update()
+  assert opt.params["w"].dtype == jnp.float16
+  np.testing.assert_array_equal(opt.params["w"], np.array([0.5, 0.0], np.float16))  # 1 - 0.5 * g
