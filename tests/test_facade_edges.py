@@ -2,10 +2,13 @@
 
 Paddle's ``unscale_`` accepts float16 gradients (PyTorch's refuses them); mmengine's
 ``flat_decay_mult`` applies to one-dimensional parameters only, not to scalars; an
-``AmpOptimWrapper`` with hysteresis saves and restores the overflows it has counted.
+``AmpOptimWrapper`` with hysteresis saves and restores the overflows it has counted. The
+scalers check the values Flax's fp8 layers return without unscaling them, and their stall
+report reads the flag every ``stall_check_every`` updates and names every bad leaf.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from flax.training import train_state as flax_train_state
 
 import jaxamp
 from tests.test_amp_optim_wrapper import bad_loss, w_params, X
+from tests.test_diagnostics import _torch_loop
 from tests.test_grad_scaler import Holder
 
 OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
@@ -105,7 +109,6 @@ def test_torch_repr_tells_an_enabled_scaler_from_a_disabled_one():
 
 
 def test_a_stall_names_only_the_leaves_that_hold_inf_or_nan():
-  from tests.test_diagnostics import _torch_loop
   with pytest.raises(jaxamp.StalledError, match=r"\(in \['dec'\]\)"):
     _torch_loop(40, stall_after=8, stall_check_every=2, on_stall="raise")
 
@@ -312,3 +315,99 @@ def test_paddle_steps_float16_gradients_in_one_call():
   scaler.update()
   assert opt.params["w"].dtype == jnp.float16
   np.testing.assert_array_equal(opt.params["w"], np.array([0.5, 0.0], np.float16))  # 1 - 0.5 * g
+
+
+# -- the stall report of the facades -----------------------------------------------------------
+
+
+def test_a_run_stalled_from_its_first_steps_is_reported_with_its_streak():
+  # stall_after <= stall_check_every: the first read of the flag already finds the stall.
+  with pytest.raises(jaxamp.StalledError, match=r"^2 consecutive steps were skipped"):
+    _torch_loop(6, stall_after=2, stall_check_every=2, on_stall="raise")
+
+
+def _stall_message(holders, grads, steps=4):
+  """What a GradScaler reporting at once raises after ``steps`` iterations with ``grads``."""
+  scaler = jaxamp.GradScaler(stall_after=1, stall_check_every=1, on_stall="raise")
+  scaler.scale(jnp.float32(1.0))
+  with pytest.raises(jaxamp.StalledError) as raised:
+    for _ in range(steps):
+      for holder, g in zip(holders, grads):
+        holder.grads = g
+        scaler.step(holder)
+      scaler.update()
+  return str(raised.value)
+
+
+@pytest.mark.parametrize("n", [8, 9])
+def test_the_stall_report_accounts_for_every_bad_leaf_once(n):
+  # The report names the bad leaves, or names some and counts the others: never one twice,
+  # never a finite one, never "and 0 more".
+  bad = {f"b{i}": jnp.array([jnp.nan]) for i in range(n)}
+  holder = Holder({**bad, "ok": jnp.ones(1)}, optax.sgd(0.1))
+  message = _stall_message([holder], [{**bad, "ok": jnp.ones(1)}])
+  found = re.search(r"\(in (.*?)(?: and (\d+) more)?\), and lowering", message)
+  assert found, message
+  named = found.group(1).split(", ")
+  more = 0 if found.group(2) is None else int(found.group(2))
+  assert len(set(named)) == len(named) and set(named) <= {f"['{k}']" for k in bad}
+  assert len(named) + more == n and (found.group(2) is None or more > 0)
+
+
+def test_the_stall_report_tells_which_of_two_optimizers_held_the_bad_leaves():
+  first, second = Holder({"w": jnp.ones(2)}, optax.sgd(0.1)), Holder({"w": jnp.ones(2)},
+                                                                       optax.sgd(0.1))
+  message = _stall_message([first, second], [{"w": jnp.ones(2)}, {"w": jnp.full(2, jnp.nan)}])
+  assert "(in optimizer 1: ['w'])" in message
+
+
+def test_the_stall_report_passes_over_integer_gradient_leaves():
+  # A holder may keep integer state (a counter) among its parameters: never inf or nan.
+  params = {"w": jnp.ones(2), "count": jnp.zeros(2, jnp.int32)}
+  tx = optax.masked(optax.sgd(0.1), {"w": True, "count": False})
+  message = _stall_message([Holder(params, tx)],
+                           [{"w": jnp.array([jnp.nan, 1.0]), "count": jnp.ones(2, jnp.int32)}])
+  assert "(in ['w'])" in message
+
+
+def test_a_step_refused_for_an_object_without_gradients_leaves_the_stall_report_working():
+  scaler = jaxamp.GradScaler(stall_after=1, stall_check_every=1, on_stall="raise")
+  scaler.scale(jnp.float32(1.0))
+  opt = Holder({"w": jnp.ones(2)}, optax.sgd(0.1))
+  with pytest.raises(jaxamp.StalledError, match=r"\['w'\]"):
+    for _ in range(4):
+      with pytest.raises(AttributeError):
+        scaler.step(object())  # not an optimizer holder: refused
+      opt.grads = {"w": jnp.full(2, jnp.nan)}
+      scaler.step(opt)
+      scaler.update()
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: jaxamp.GradScaler(**kw),
+    lambda **kw: jaxamp.paddle.GradScaler(**kw),
+    lambda **kw: jaxamp.AmpOptimWrapper(optax.sgd(0.1), {"w": jnp.ones(1)}, **kw),
+])
+def test_a_bad_stall_check_every_is_refused_by_its_name(make):
+  with pytest.raises(ValueError, match=r"^stall_check_every must be an int >= 1, got 0"):
+    make(stall_check_every=0)
+
+
+@pytest.mark.parametrize("bad_steps", [2, 3])
+def test_the_stall_flag_is_read_at_every_stall_check_every_th_update(bad_steps):
+  # Read at updates 3, 6, ...: a stall over updates 1-2 has ended by the first read, one over
+  # updates 1-3 is found there.
+  scaler = jaxamp.GradScaler(stall_after=1, stall_check_every=3, on_stall="raise")
+  scaler.scale(jnp.float32(1.0))
+  opt = Holder({"w": jnp.ones(2)}, optax.sgd(0.1))
+  reported = False
+  for i in range(7):
+    opt.grads = {"w": jnp.full(2, jnp.nan if i < bad_steps else 1.0)}
+    scaler.step(opt)
+    try:
+      scaler.update()
+    except jaxamp.StalledError:
+      reported = True
+      break
+    jax.block_until_ready(scaler.state)  # the flag kept is computed by the next update
+  assert reported == (bad_steps == 3)
