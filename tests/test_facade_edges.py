@@ -4,9 +4,12 @@ Paddle's ``unscale_`` accepts float16 gradients (PyTorch's refuses them); mmengi
 ``flat_decay_mult`` applies to one-dimensional parameters only, not to scalars; an
 ``AmpOptimWrapper`` with hysteresis saves and restores the overflows it has counted. The
 scalers check the values Flax's fp8 layers return without unscaling them, and their stall
-report reads the flag every ``stall_check_every`` updates and names every bad leaf.
+report reads the flag every ``stall_check_every`` updates and names every bad leaf. A loss
+call's static arguments are told apart as ``jax.jit`` tells them (unhashable ones by identity),
+and a loss written anew in every iteration is reported once.
 """
 
+import dataclasses
 import functools
 import re
 
@@ -411,3 +414,92 @@ def test_the_stall_flag_is_read_at_every_stall_check_every_th_update(bad_steps):
       break
     jax.block_until_ready(scaler.state)  # the flag kept is computed by the next update
   assert reported == (bad_steps == 3)
+
+
+# -- the static arguments of a loss call, and the warning that every iteration compiles ----------
+
+
+def _dot_loss(p, x):
+  return jnp.sum(p["w"] * x)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_loss_written_inside_the_loop_warns_once_that_every_iteration_compiles(scaled):
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
+  scaler = jaxamp.GradScaler()
+  with pytest.warns(RuntimeWarning, match="every iteration compiles") as caught:
+    for step in range(4):
+      batch = jnp.ones(2) * (1.0 + step)
+      if scaled:  # opt.backward(scaler.scale(lambda ...)): the batch is closed over
+        opt.zero_grad()
+        opt.backward(scaler.scale(lambda p: _dot_loss(p, batch)))
+        scaler.step(opt)
+        scaler.update()
+      else:  # no argument at all: only the parameters are traced
+        opt.update_params(lambda p: _dot_loss(p, batch))
+  assert len(caught) == 1
+
+
+def _weighted(weight):
+  return lambda p, x: weight * _dot_loss(p, x)
+
+
+def test_losses_one_factory_makes_over_different_values_do_not_warn():
+  # Each is made once, outside the loop: each compiles once (filterwarnings = error).
+  from tests._tracing import trace_counts
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)})
+  losses = [_weighted(1.0), _weighted(2.0)]
+  for step in range(4):
+    opt.update_params(losses[step % 2], jnp.ones(2))
+  np.testing.assert_allclose(opt.params["w"], [-0.6, -0.6], rtol=1e-6)  # -0.1 * (1 + 2 + 1 + 2)
+  assert trace_counts(opt)["fused"] == 2
+
+
+@dataclasses.dataclass
+class _Config:
+  """A configuration object: a dataclass with eq and not frozen is unhashable."""
+
+  weight: float
+
+
+def _config_loss(p, x, config):
+  return config.weight * _dot_loss(p, x)
+
+
+def test_an_unhashable_static_argument_is_told_apart_by_identity():
+  from tests._tracing import trace_counts
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)})
+  config = _Config(1.0)
+  for _ in range(2):  # the same object: one compilation
+    opt.update_params(_config_loss, jnp.ones(2), config)
+  assert trace_counts(opt)["fused"] == 1
+  config.weight = 2.0
+  # A new object runs with its own values, even where an object seen before now equals it.
+  opt.update_params(_config_loss, jnp.ones(2), _Config(2.0))
+  np.testing.assert_allclose(opt.params["w"], [-0.4, -0.4], rtol=1e-6)  # -0.1 * (1 + 1 + 2)
+
+
+class _Table:
+  """A static argument hashed by its name and compared by its values, which may fail."""
+
+  def __init__(self, name, values):
+    self.name, self.values = name, np.asarray(values, np.float32)
+
+  def __hash__(self):
+    return hash(self.name)
+
+  def __eq__(self, other):
+    if self.values.shape != other.values.shape:
+      raise ValueError("tables of different shapes cannot be compared")
+    return bool(np.all(self.values == other.values))
+
+
+def _table_loss(p, x, table):
+  return float(table.values.sum()) * _dot_loss(p, x)
+
+
+def test_a_static_argument_whose_comparison_fails_is_a_new_one():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)})
+  opt.update_params(_table_loss, jnp.ones(2), _Table("t", [1.0]))
+  opt.update_params(_table_loss, jnp.ones(2), _Table("t", [1.0, 2.0]))  # its own values
+  np.testing.assert_allclose(opt.params["w"], [-0.4, -0.4], rtol=1e-6)  # -0.1 * (1 + 3)
