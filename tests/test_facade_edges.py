@@ -339,6 +339,7 @@ def _stall_message(holders, grads, steps=4):
         holder.grads = g
         scaler.step(holder)
       scaler.update()
+      jax.block_until_ready(scaler.state)  # the flag is read by the next update at the latest
   return str(raised.value)
 
 
@@ -384,6 +385,7 @@ def test_a_step_refused_for_an_object_without_gradients_leaves_the_stall_report_
       opt.grads = {"w": jnp.full(2, jnp.nan)}
       scaler.step(opt)
       scaler.update()
+      jax.block_until_ready(scaler.state)
 
 
 @pytest.mark.parametrize("make", [
