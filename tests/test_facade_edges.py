@@ -2,18 +2,32 @@
 
 Paddle's ``unscale_`` accepts float16 gradients (PyTorch's refuses them); mmengine's
 ``flat_decay_mult`` applies to one-dimensional parameters only, not to scalars; an
-``AmpOptimWrapper`` with hysteresis saves and restores the overflows it has counted.
+``AmpOptimWrapper`` with hysteresis saves and restores the overflows it has counted. The
+scalers check the values Flax's fp8 layers return without unscaling them, and their stall
+report reads the flag every ``stall_check_every`` updates and names every bad leaf. A loss
+call's static arguments are told apart as ``jax.jit`` tells them (unhashable ones by identity),
+and a loss written anew in every iteration is reported once.
 """
+
+import dataclasses
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
+from flax.linen import fp8_ops
+from flax.training import train_state as flax_train_state
 
 import jaxamp
 from tests.test_amp_optim_wrapper import bad_loss, w_params, X
+from tests.test_diagnostics import _torch_loop
 from tests.test_grad_scaler import Holder
+
+OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 
 
 def test_paddle_unscale_divides_float16_gradients_in_their_dtype():
@@ -98,7 +112,6 @@ def test_torch_repr_tells_an_enabled_scaler_from_a_disabled_one():
 
 
 def test_a_stall_names_only_the_leaves_that_hold_inf_or_nan():
-  from tests.test_diagnostics import _torch_loop
   with pytest.raises(jaxamp.StalledError, match=r"\(in \['dec'\]\)"):
     _torch_loop(40, stall_after=8, stall_check_every=2, on_stall="raise")
 
@@ -227,3 +240,268 @@ def test_params_on_an_explicit_mesh_keep_their_sharding_through_a_step():
     wrapper.update_params(_sum_all, jnp.float32(1.0))
   assert wrapper.params["w"].sharding == sharding
   np.testing.assert_array_equal(wrapper.params["w"], [-0.5, -0.5])
+
+
+# -- the gradients a scaler unscales and checks ---------------------------------------------------
+
+
+class _Fp8Dense(nn.Module):
+  """One fp8 layer without bias: an overflowing output gradient saturates in e5m2, so that the
+  kernel's gradient stays finite and only the returned amax is inf."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, use_bias=False, dot_general_cls=functools.partial(
+        fp8_ops.Fp8DirectDotGeneralOp, amax_history_length=4))(x)
+
+
+def _fp8_loss(v, x):
+  return jnp.mean(_Fp8Dense().apply(v, x) ** 2)
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_unscale_checks_the_values_flax_fp8_layers_return_and_leaves_them_unscaled(overflow):
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 8))
+  variables = jax.jit(_Fp8Dense().init)(jax.random.PRNGKey(1), x)
+  scale = 2.0**126 if overflow else 2.0**16  # 2**126: the output gradients overflow float32
+  x = x * 1e6 if overflow else x
+  grads = jax.jit(jax.grad(lambda v: scale * _fp8_loss(v, x)))(variables)
+  returned = grads[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]
+  assert np.isfinite(returned["output_grad_amax_history"][0]) != overflow
+  assert np.all(np.isfinite(grads["params"]["Dense_0"]["kernel"]))  # saturated: finite
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), variables)
+  scaler = jaxamp.GradScaler(init_scale=scale)
+  wrapper.backward(scaler.scale(_fp8_loss), x)
+  scaler.unscale_(wrapper)  # PyTorch's recipe: unscale (to clip, say), then step
+  scaler.step(wrapper)
+  scaler.update()
+  if overflow:  # skipped, as for an inf gradient: nothing written, the scale backs off
+    want, want_scale = variables, scale / 2
+  else:  # flax's TrainState on the unscaled gradients, the fp8 values as returned
+    want = flax_train_state.TrainState.create(
+        apply_fn=None, params=variables, tx=optax.sgd(0.1)).apply_gradients(
+            grads={**grads, "params": jax.tree.map(lambda g: g / scale, grads["params"])}).params
+    want_scale = scale
+  assert scaler.get_scale() == want_scale
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), wrapper.params, want)
+
+
+def test_a_holder_with_an_empty_gradient_tree_has_no_inf_checks_recorded():
+  # PyTorch's step raises when no parameter has a gradient: an empty tree holds none either.
+  scaler = jaxamp.GradScaler()
+  scaler.scale(jnp.float32(1.0))
+  opt = Holder({"w": jnp.ones(2)}, optax.sgd(1.0))
+  opt.grads = {}
+  with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+    scaler.step(opt)
+  assert opt.applied == 0
+
+
+def test_unscale_leaves_the_arrays_a_holder_without_donation_was_given_readable():
+  scaler = jaxamp.GradScaler(init_scale=8.0)
+  scaler.scale(jnp.float32(1.0))
+  opt = Holder({"w": jnp.zeros(2)}, optax.sgd(1.0))
+  scaled = {"w": jnp.array([8.0, -4.0])}
+  opt.grads = scaled  # the holder has no `donate`: its gradients may be the user's arrays
+  scaler.unscale_(opt)
+  np.testing.assert_array_equal(opt.grads["w"], [1.0, -0.5])
+  np.testing.assert_array_equal(scaled["w"], [8.0, -4.0])
+
+
+def test_paddle_steps_float16_gradients_in_one_call():
+  # Paddle's step accepts float16 gradients; the wrapper unscales, checks and applies at once.
+  opt = jaxamp.OptimWrapper(optax.sgd(0.5), {"w": jnp.ones(2, jnp.float16)})
+  scaler = jaxamp.paddle.GradScaler(init_loss_scaling=1024.0)
+  loss = lambda p, x: jnp.sum(p["w"] * x).astype(jnp.float32)  # noqa: E731
+  opt.backward(scaler.scale(loss), jnp.array([1.0, 2.0], jnp.float16))
+  scaler.step(opt)
+  scaler.update()
+  assert opt.params["w"].dtype == jnp.float16
+  np.testing.assert_array_equal(opt.params["w"], np.array([0.5, 0.0], np.float16))  # 1 - 0.5 * g
+
+
+# -- the stall report of the facades -----------------------------------------------------------
+
+
+def test_a_run_stalled_from_its_first_steps_is_reported_with_its_streak():
+  # stall_after <= stall_check_every: the first read of the flag already finds the stall.
+  with pytest.raises(jaxamp.StalledError, match=r"^2 consecutive steps were skipped"):
+    _torch_loop(6, stall_after=2, stall_check_every=2, on_stall="raise")
+
+
+def _stall_message(holders, grads, steps=4):
+  """What a GradScaler reporting at once raises after ``steps`` iterations with ``grads``."""
+  scaler = jaxamp.GradScaler(stall_after=1, stall_check_every=1, on_stall="raise")
+  scaler.scale(jnp.float32(1.0))
+  with pytest.raises(jaxamp.StalledError) as raised:
+    for _ in range(steps):
+      for holder, g in zip(holders, grads):
+        holder.grads = g
+        scaler.step(holder)
+      scaler.update()
+      jax.block_until_ready(scaler.state)  # the flag is read by the next update at the latest
+  return str(raised.value)
+
+
+@pytest.mark.parametrize("n", [8, 9])
+def test_the_stall_report_accounts_for_every_bad_leaf_once(n):
+  # The report names the bad leaves, or names some and counts the others: never one twice,
+  # never a finite one, never "and 0 more".
+  bad = {f"b{i}": jnp.array([jnp.nan]) for i in range(n)}
+  holder = Holder({**bad, "ok": jnp.ones(1)}, optax.sgd(0.1))
+  message = _stall_message([holder], [{**bad, "ok": jnp.ones(1)}])
+  found = re.search(r"\(in (.*?)(?: and (\d+) more)?\), and lowering", message)
+  assert found, message
+  named = found.group(1).split(", ")
+  more = 0 if found.group(2) is None else int(found.group(2))
+  assert len(set(named)) == len(named) and set(named) <= {f"['{k}']" for k in bad}
+  assert len(named) + more == n and (found.group(2) is None or more > 0)
+
+
+def test_the_stall_report_tells_which_of_two_optimizers_held_the_bad_leaves():
+  first, second = Holder({"w": jnp.ones(2)}, optax.sgd(0.1)), Holder({"w": jnp.ones(2)},
+                                                                       optax.sgd(0.1))
+  message = _stall_message([first, second], [{"w": jnp.ones(2)}, {"w": jnp.full(2, jnp.nan)}])
+  assert "(in optimizer 1: ['w'])" in message
+
+
+def test_the_stall_report_passes_over_integer_gradient_leaves():
+  # A holder may keep integer state (a counter) among its parameters: never inf or nan.
+  params = {"w": jnp.ones(2), "count": jnp.zeros(2, jnp.int32)}
+  tx = optax.masked(optax.sgd(0.1), {"w": True, "count": False})
+  message = _stall_message([Holder(params, tx)],
+                           [{"w": jnp.array([jnp.nan, 1.0]), "count": jnp.ones(2, jnp.int32)}])
+  assert "(in ['w'])" in message
+
+
+def test_a_step_refused_for_an_object_without_gradients_leaves_the_stall_report_working():
+  scaler = jaxamp.GradScaler(stall_after=1, stall_check_every=1, on_stall="raise")
+  scaler.scale(jnp.float32(1.0))
+  opt = Holder({"w": jnp.ones(2)}, optax.sgd(0.1))
+  with pytest.raises(jaxamp.StalledError, match=r"\['w'\]"):
+    for _ in range(4):
+      with pytest.raises(AttributeError):
+        scaler.step(object())  # not an optimizer holder: refused
+      opt.grads = {"w": jnp.full(2, jnp.nan)}
+      scaler.step(opt)
+      scaler.update()
+      jax.block_until_ready(scaler.state)
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: jaxamp.GradScaler(**kw),
+    lambda **kw: jaxamp.paddle.GradScaler(**kw),
+    lambda **kw: jaxamp.AmpOptimWrapper(optax.sgd(0.1), {"w": jnp.ones(1)}, **kw),
+])
+def test_a_bad_stall_check_every_is_refused_by_its_name(make):
+  with pytest.raises(ValueError, match=r"^stall_check_every must be an int >= 1, got 0"):
+    make(stall_check_every=0)
+
+
+@pytest.mark.parametrize("bad_steps", [2, 3])
+def test_the_stall_flag_is_read_at_every_stall_check_every_th_update(bad_steps):
+  # Read at updates 3, 6, ...: a stall over updates 1-2 has ended by the first read, one over
+  # updates 1-3 is found there.
+  scaler = jaxamp.GradScaler(stall_after=1, stall_check_every=3, on_stall="raise")
+  scaler.scale(jnp.float32(1.0))
+  opt = Holder({"w": jnp.ones(2)}, optax.sgd(0.1))
+  reported = False
+  for i in range(7):
+    opt.grads = {"w": jnp.full(2, jnp.nan if i < bad_steps else 1.0)}
+    scaler.step(opt)
+    try:
+      scaler.update()
+    except jaxamp.StalledError:
+      reported = True
+      break
+    jax.block_until_ready(scaler.state)  # the flag kept is computed by the next update
+  assert reported == (bad_steps == 3)
+
+
+# -- the static arguments of a loss call, and the warning that every iteration compiles ----------
+
+
+def _dot_loss(p, x):
+  return jnp.sum(p["w"] * x)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_loss_written_inside_the_loop_warns_once_that_every_iteration_compiles(scaled):
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
+  scaler = jaxamp.GradScaler()
+  with pytest.warns(RuntimeWarning, match="every iteration compiles") as caught:
+    for step in range(4):
+      batch = jnp.ones(2) * (1.0 + step)
+      if scaled:  # opt.backward(scaler.scale(lambda ...)): the batch is closed over
+        opt.zero_grad()
+        opt.backward(scaler.scale(lambda p: _dot_loss(p, batch)))
+        scaler.step(opt)
+        scaler.update()
+      else:  # no argument at all: only the parameters are traced
+        opt.update_params(lambda p: _dot_loss(p, batch))
+  assert len(caught) == 1
+
+
+def _weighted(weight):
+  return lambda p, x: weight * _dot_loss(p, x)
+
+
+def test_losses_one_factory_makes_over_different_values_do_not_warn():
+  # Each is made once, outside the loop: each compiles once (filterwarnings = error).
+  from tests._tracing import trace_counts
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)})
+  losses = [_weighted(1.0), _weighted(2.0)]
+  for step in range(4):
+    opt.update_params(losses[step % 2], jnp.ones(2))
+  np.testing.assert_allclose(opt.params["w"], [-0.6, -0.6], rtol=1e-6)  # -0.1 * (1 + 2 + 1 + 2)
+  assert trace_counts(opt)["fused"] == 2
+
+
+@dataclasses.dataclass
+class _Config:
+  """A configuration object: a dataclass with eq and not frozen is unhashable."""
+
+  weight: float
+
+
+def _config_loss(p, x, config):
+  return config.weight * _dot_loss(p, x)
+
+
+def test_an_unhashable_static_argument_is_told_apart_by_identity():
+  from tests._tracing import trace_counts
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)})
+  config = _Config(1.0)
+  for _ in range(2):  # the same object: one compilation
+    opt.update_params(_config_loss, jnp.ones(2), config)
+  assert trace_counts(opt)["fused"] == 1
+  config.weight = 2.0
+  # A new object runs with its own values, even where an object seen before now equals it.
+  opt.update_params(_config_loss, jnp.ones(2), _Config(2.0))
+  np.testing.assert_allclose(opt.params["w"], [-0.4, -0.4], rtol=1e-6)  # -0.1 * (1 + 1 + 2)
+
+
+class _Table:
+  """A static argument hashed by its name and compared by its values, which may fail."""
+
+  def __init__(self, name, values):
+    self.name, self.values = name, np.asarray(values, np.float32)
+
+  def __hash__(self):
+    return hash(self.name)
+
+  def __eq__(self, other):
+    if self.values.shape != other.values.shape:
+      raise ValueError("tables of different shapes cannot be compared")
+    return bool(np.all(self.values == other.values))
+
+
+def _table_loss(p, x, table):
+  return float(table.values.sum()) * _dot_loss(p, x)
+
+
+def test_a_static_argument_whose_comparison_fails_is_a_new_one():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)})
+  opt.update_params(_table_loss, jnp.ones(2), _Table("t", [1.0]))
+  opt.update_params(_table_loss, jnp.ones(2), _Table("t", [1.0, 2.0]))  # its own values
+  np.testing.assert_allclose(opt.params["w"], [-0.4, -0.4], rtol=1e-6)  # -0.1 * (1 + 3)
