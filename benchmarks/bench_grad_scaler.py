@@ -23,8 +23,9 @@ Where the difference comes from: the PyTorch-style loop runs three jitted
 calls (backward, the holder's step, the scale update) where the core runs
 one, so the gradients are written out by the backward call and read back by
 the step. Without ``unscale_``, ``step`` unscales, checks and applies in one
-call (``OptimWrapper.apply_scaled_gradients``), which never writes the
-unscaled gradients out, and the skip is selected where the optimizer
+call (``OptimWrapper.apply_scaled_gradients``), with no unscaled copy
+kept between calls (XLA:CPU still writes one to a temporary inside the call,
+for the check's reduction), and the skip is selected where the optimizer
 computes its new state, so a skippable step costs no copy. Without donation
 each step also allocates fresh buffers for params and optimizer state, which
 the donated core does not. The gap shrinks as the backward pass grows
