@@ -6,6 +6,8 @@ that meets a bfloat16 tensor), PyTorch promotes to float32
 program that asks for strict dtype promotion (the suite's).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,3 +146,37 @@ def test_a_partial_bound_to_an_nnx_module_updates_its_statistics_as_without_it()
   model = _batch_norm()
   jaxamp.autocast(functools.partial(lambda m, x: m(x), model), jnp.bfloat16)(XB)
   np.testing.assert_array_equal(model.mean[...], reference.mean[...])
+
+
+def _loss_a(p, x):
+  return jnp.sum(p * x)
+
+
+def _loss_b(p, x):
+  return jnp.sum(p * x) + 1.0
+
+
+def test_mixed_precision_wrappers_are_the_same_static_argument_only_for_the_same_two():
+  traces = []
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(fn, p, x):
+    traces.append(fn)
+    return fn(p, x)
+
+  p, x = jnp.ones(2), jnp.ones(2)
+  assert float(run(jaxamp.mixed_precision(_loss_a, "c=f16"), p, x)) == 2.0
+  assert float(run(jaxamp.mixed_precision(_loss_a, "c=f16"), p, x)) == 2.0
+  assert len(traces) == 1  # built anew, the same wrapper: no retrace
+  assert float(run(jaxamp.mixed_precision(_loss_b, "c=f16"), p, x)) == 3.0  # another function
+  assert run(jaxamp.mixed_precision(_loss_a, "c=bf16"), p, x).dtype == jnp.float32
+  assert len(traces) == 3  # another policy
+  wrapped = jaxamp.mixed_precision(_loss_a, "c=f16")
+  assert wrapped == jaxamp.mixed_precision(_loss_a, "c=f16")
+  assert hash(wrapped) == hash(jaxamp.mixed_precision(_loss_a, "c=f16"))
+  assert wrapped != jaxamp.mixed_precision(_loss_b, "c=f16")
+  assert wrapped != jaxamp.mixed_precision(_loss_a, "c=bf16")
+  assert wrapped != _loss_a and wrapped != "c=f16"
+  # Distinct wrappers hash apart, so a cache keyed by them does not degrade to a list.
+  fns = [_loss_a, _loss_b, jnp.sum, jnp.mean]
+  assert len({hash(jaxamp.mixed_precision(fn, "c=f16")) for fn in fns}) > 1

@@ -248,3 +248,111 @@ def test_a_loss_scale_inside_a_pytree_without_keys_is_found():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0)
   state = _Box([{"m": jnp.zeros(3)}, (tx.init({"w": jnp.zeros(2)}),)])
   assert float(jaxamp.loss_scale(state)) == 64.0
+
+
+# -- clipping arguments, dtypes under x64, empty leaves --------------------------------------------
+
+def test_bad_clipping_arguments_are_refused_under_their_own_names():
+  # The message starts with the argument's name, as the user wrote it.
+  with pytest.raises(TypeError, match=r"^norm_type must be a real number"):
+    jaxamp.clip_grad_norm(1.0, [2.0])
+  with pytest.raises(ValueError, match=r"^max_norm must be a number >= 0"):
+    jaxamp.clip_grad_norm(-1.0)
+  with pytest.raises(ValueError, match=r"^clip_value must be a number >= 0"):
+    jaxamp.clip_grad_value(-1.0)
+
+
+def test_with_x64_enabled_the_total_norm_and_its_state_stay_float32():
+  # The documented float32 norm, whichever default dtype JAX has: the state that init gives
+  # has the dtype of the one update returns (a lax.scan carry of it keeps its type).
+  with jax.enable_x64(True):
+    grads = {"a": jnp.array([3.0, 0.0], jnp.float32), "h": jnp.array([4.0], jnp.float16)}
+    tx = jaxamp.clip_grad_norm(1.0)
+    state = tx.init(grads)
+    clipped, new_state = jax.jit(tx.update)(grads, state)
+    assert state.total_norm.dtype == new_state.total_norm.dtype == jnp.float32
+    assert float(new_state.total_norm) == 5.0
+    coef = np.float32(1.0) / (np.float32(5.0) + np.float32(1e-6))
+    np.testing.assert_allclose(clipped["a"], np.float32([3.0, 0.0]) * coef, rtol=1e-6)
+    assert clipped["h"].dtype == jnp.float16
+    assert jaxamp.total_grad_norm(grads).dtype == jnp.float32
+    assert jaxamp.total_grad_norm({"n": jnp.arange(3)}).dtype == jnp.float32
+
+
+def test_an_empty_leaf_takes_no_part_in_a_minus_inf_norm():
+  # An empty leaf has no magnitudes: the smallest one over the tree is that of the other leaves.
+  grads = {"a": jnp.array([3.0, -4.0]), "e": jnp.zeros([0])}
+  assert float(jaxamp.total_grad_norm(grads, "-inf")) == 3.0
+  assert float(jaxamp.total_grad_norm({"e": jnp.zeros([0, 2])}, "-inf")) == 0.0
+
+
+# -- the train state against flax's ------------------------------------------------------------------
+
+def test_value_and_grad_differentiates_the_argument_named_by_argnums():
+  state = jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+                                   tx=jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0))
+
+  def fun(a, b):
+    return jnp.sum(a * b ** 2)
+
+  a, b = jnp.array([1.0, 2.0]), jnp.array([3.0, -1.0])
+  loss, grads = state.value_and_grad(fun, argnums=1)(a, b)
+  expected_loss, expected = jax.value_and_grad(fun, argnums=1)(a, b)
+  np.testing.assert_allclose(loss, expected_loss)
+  np.testing.assert_allclose(grads, 4.0 * np.asarray(expected))
+
+
+def test_an_applied_step_after_a_skipped_one_takes_the_new_statistics():
+  state = _stats_state()
+  step = jax.jit(lambda s, g, m: s.apply_gradients(grads={"w": g}, stats={"mean": m}))
+  state = step(state, jnp.array([jnp.nan, 4.0]), jnp.array([9.0, 9.0]))  # skipped
+  np.testing.assert_array_equal(state.stats["mean"], [0.0, 0.0])
+  state = step(state, jnp.array([2.0, 4.0]), jnp.array([1.0, 3.0]))  # applied
+  assert int(state.step) == 1
+  np.testing.assert_array_equal(state.stats["mean"], [1.0, 3.0])
+
+
+def test_apply_gradients_refuses_an_unknown_field_as_flax_does():
+  flax_train_state = pytest.importorskip("flax.training.train_state")
+  params, grads = {"w": jnp.ones(2)}, {"w": jnp.ones(2)}
+  reference = flax_train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+  with pytest.raises(TypeError):
+    reference.apply_gradients(grads=grads, bogus=None)
+  state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+  with pytest.raises(TypeError):
+    state.apply_gradients(grads=grads, bogus=None)
+
+
+def test_fp8_variables_are_stepped_as_flax_train_state_steps_them():
+  flax_train_state = pytest.importorskip("flax.training.train_state")
+  variables = {"params": {"w": jnp.array([1.0, -2.0])},
+               "_overwrite_with_gradient": {"amax": jnp.array([0.5, 0.25])}}
+  tx = optax.sgd(0.1, momentum=0.9)
+  reference = flax_train_state.TrainState.create(apply_fn=None, params=variables, tx=tx)
+  state = jaxamp.TrainState.create(apply_fn=None, params=variables, tx=tx)
+  for k in range(1, 3):
+    grads = {"params": {"w": jnp.array([0.5, 1.0]) * k},
+             "_overwrite_with_gradient": {"amax": jnp.array([3.0, 4.0]) * k}}
+    reference = reference.apply_gradients(grads=grads)
+    state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
+  np.testing.assert_allclose(state.params["params"]["w"], reference.params["params"]["w"],
+                             rtol=1e-6)
+  np.testing.assert_array_equal(state.params["_overwrite_with_gradient"]["amax"], [6.0, 8.0])
+  np.testing.assert_array_equal(reference.params["_overwrite_with_gradient"]["amax"], [6.0, 8.0])
+
+
+def test_a_restored_state_dict_names_the_field_that_does_not_fit_as_flax_does():
+  serialization = pytest.importorskip("flax.serialization")
+  flax_train_state = pytest.importorskip("flax.training.train_state")
+  params = {"w": jnp.ones(2)}
+  bad = {"step": 0, "params": {"v": np.ones(2)}, "opt_state": {}}
+  reference = flax_train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+  with pytest.raises(ValueError) as flax_error:
+    serialization.from_state_dict(reference, bad)
+  state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+  with pytest.raises(ValueError) as error:
+    serialization.from_state_dict(state, bad)
+  # Both name the path of the field that does not fit (flax prefixes it with "./").
+  assert str(flax_error.value).endswith("at path ./params")
+  assert str(error.value).endswith("params") and "at path" in str(error.value)
+  assert "{'w'}" in str(error.value)
