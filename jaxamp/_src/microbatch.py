@@ -19,8 +19,15 @@ from jaxamp._src import validation
 
 
 def _wider(dtype: jnp.dtype, floor: jnp.dtype) -> jnp.dtype:
-  """``dtype`` if it has more bits than ``floor``, else ``floor`` (whatever the promotion mode)."""
+  """``dtype`` if it has more bits than ``floor``, else ``floor`` (whatever the promotion mode).
+
+  A complex ``dtype`` gives a complex dtype whose parts are the wider of its
+  parts and ``floor``: complex gradients keep their imaginary parts.
+  """
   dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    part = _wider(jnp.finfo(dtype).dtype, floor)
+    return jnp.dtype(jnp.complex128 if part == jnp.float64 else jnp.complex64)
   if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits > jnp.finfo(floor).bits:
     return dtype
   return jnp.dtype(floor)
@@ -129,7 +136,8 @@ def microbatch_value_and_grad(
     axis_name: mapped axis name (or tuple of names) to average the loss and
       gradients over; ``None`` for none.
     accumulator_dtype: floating dtype of the gradient and loss accumulators;
-      a leaf of a wider dtype keeps its own.
+      a leaf of a wider dtype keeps its own, and a complex leaf sums in a
+      complex dtype whose parts are at least as wide.
 
   Returns:
     ``fn(params, batch, *args, loss_scale=None, **kwargs)`` returning
