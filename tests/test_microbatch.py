@@ -157,10 +157,18 @@ def test_one_jitted_step_with_the_loss_scaler():
     ((loss_fn, 0), ValueError, "num_microbatches must be an int >= 1, got 0"),
     ((loss_fn, 2.0), TypeError, "num_microbatches must be an int"),
     ((None, 2), TypeError, "loss_fn must be callable"),
+    ((loss_fn, True), TypeError, "^num_microbatches must be an int, got True"),
+    ((loss_fn, np.int64(0)), ValueError, "^num_microbatches must be an int >= 1"),
 ])
 def test_bad_arguments(args, error, match):
   with pytest.raises(error, match=match):
     jaxamp.microbatch_value_and_grad(*args)
+
+
+def test_has_aux_must_be_a_bool():
+  with pytest.raises(TypeError, match="^has_aux must be a bool, got 'yes'"):
+    jaxamp.microbatch_value_and_grad(loss_fn, 2, has_aux="yes")
+  jaxamp.microbatch_value_and_grad(loss_fn, 2, has_aux=np.bool_(False))  # numpy's bool is one
 
 
 def test_bad_batches(reference):
@@ -221,7 +229,7 @@ def test_complex_gradients_keep_their_imaginary_parts():
   def complex_loss(p, x):
     return jnp.mean(jnp.abs(x.astype(jnp.complex64) * p["w"][None, :] - 1.0) ** 2)
 
-  want_loss, want = jax.value_and_grad(complex_loss)(params, x)
+  want_loss, want = jax.jit(jax.value_and_grad(complex_loss))(params, x)
   assert float(jnp.abs(want["w"].imag).min()) > 1.0
   loss, got = jax.jit(jaxamp.microbatch_value_and_grad(complex_loss, 4))(params, x)
   assert got["w"].dtype == jnp.complex64
@@ -241,7 +249,7 @@ def test_complex_gradients_keep_their_imaginary_parts():
     def loss128(p, x):
       return jnp.mean(jnp.abs(x.astype(jnp.complex128) * p["w"][None, :] - 1.0) ** 2)
 
-    want_loss, want = jax.value_and_grad(loss128)(params, x)
+    want_loss, want = jax.jit(jax.value_and_grad(loss128))(params, x)
     loss, got = jax.jit(jaxamp.microbatch_value_and_grad(loss128, 4))(params, x)
     assert loss.dtype == jnp.float64 and got["w"].dtype == jnp.complex128
     np.testing.assert_allclose(loss, want_loss, rtol=1e-13)
@@ -295,7 +303,7 @@ def test_under_x64_float64_gradients_and_losses_keep_float64():
     def loss64(p, b):
       return jnp.mean(jnp.sin(b["x"] @ p["w"] - b["y"]) ** 2)
 
-    want_loss, want = jax.value_and_grad(loss64)(params, batch)
+    want_loss, want = jax.jit(jax.value_and_grad(loss64))(params, batch)
     loss, got = jax.jit(jaxamp.microbatch_value_and_grad(loss64, NUM))(params, batch)
     assert loss.dtype == jnp.float64 and got["w"].dtype == jnp.float64
     np.testing.assert_allclose(loss, want_loss, rtol=1e-13)
@@ -365,6 +373,6 @@ def test_inside_shard_map_the_loss_sees_this_devices_copy_of_the_params():
   fn = jaxamp.microbatch_value_and_grad(recurrent, 2, axis_name="data")
   sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
   loss, grads = sharded(params, batch)
-  want_loss, want = jax.value_and_grad(recurrent)(params, batch)
+  want_loss, want = jax.jit(jax.value_and_grad(recurrent))(params, batch)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   assert_tree_close(grads, want)
