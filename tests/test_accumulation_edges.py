@@ -170,3 +170,33 @@ def test_microbatched_fp8_statistics_are_the_maximum_over_the_devices():
   _, grads = jax.jit(jax.vmap(fn, in_axes=(None, 0), axis_name="d"))(params, xs)
   np.testing.assert_array_equal(grads["_overwrite_with_gradient"]["amax"], [[7.0], [7.0]])
   np.testing.assert_allclose(grads["w"], [float(jnp.mean(xs))] * 2, rtol=1e-6)
+
+
+def _enable_x64(on=True):
+  # jax.enable_x64 on newer releases; jax.experimental.enable_x64 on the oldest supported.
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(on)
+  from jax import experimental  # pylint: disable=import-outside-toplevel
+  return experimental.enable_x64(on)
+
+
+def _complex_updates(accumulator_dtype, grads):
+  tx = jaxamp.accumulate_gradients(optax.sgd(1.0), len(grads), accumulator_dtype=accumulator_dtype)
+  params = {"w": jnp.zeros(1, jnp.complex64)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for g in grads:
+    updates, state = step({"w": jnp.asarray([g], jnp.complex64)}, state, params)
+  return updates["w"]
+
+
+def test_complex_gradients_accumulate_with_their_imaginary_parts():
+  got = _complex_updates(jnp.float32, [1 + 2j, 3 + 4j])
+  assert got.dtype == jnp.complex64
+  np.testing.assert_array_equal(got, np.asarray([-2 - 3j], np.complex64))
+  # accumulator_dtype=float64 (under x64) sums complex64 leaves in complex128: the ones survive.
+  with _enable_x64(True):
+    got = _complex_updates(jnp.float64, [2.0**24 * (1 + 1j), 1 + 1j, 1 + 1j, 1 + 1j])
+  want = -np.float32((2.0**24 + 3) / 4)
+  assert want != -(2.0**22)
+  np.testing.assert_array_equal(got, np.asarray([want * (1 + 1j)], np.complex64))

@@ -143,8 +143,10 @@ def accumulate_gradients(
     total_steps: the run's total number of micro-steps, for the shorter last
       window; ``None`` for an open-ended run (every window has ``k``).
     accumulator_dtype: dtype of the accumulator; ``None`` means float32 for
-      float16/bfloat16 leaves and the leaf's own dtype otherwise. ``inner``
-      receives, and the updates come back in, the gradients' own dtypes.
+      float16/bfloat16 leaves and the leaf's own dtype otherwise. Given, it
+      makes a complex leaf's accumulator complex128 if it is float64, else
+      complex64. ``inner`` receives, and the updates come back in, the
+      gradients' own dtypes.
     axis_name: mapped axis name (or tuple of names) to all-reduce the
       accumulated gradients over, once per window.
     raise_past_end: with ``total_steps``, raise an error from the host on a
@@ -199,6 +201,9 @@ def accumulate_gradients(
     if not jnp.issubdtype(dtype, jnp.inexact):
       return dtype
     if acc_dtype is not None:
+      if jnp.issubdtype(dtype, jnp.complexfloating):
+        # Complex, with parts of accumulator_dtype where such a complex dtype exists.
+        return jnp.dtype(jnp.complex128 if acc_dtype == jnp.float64 else jnp.complex64)
       return acc_dtype
     return jnp.dtype(jnp.float32) if dtype in _HALF else dtype
 
