@@ -341,7 +341,7 @@ def set_loss_scale(opt_state: optax.OptState, scale: Any) -> optax.OptState:
                       f"shape {scale.shape}")
     value = scale.astype(jnp.float32)
   else:
-    if isinstance(scale, (np.ndarray, jax.Array)) and np.ndim(scale) != 0:
+    if np.ndim(scale) != 0:  # arrays, and lists and tuples as numpy reads them
       raise ValueError(f"scale must be a scalar, got an array of shape {np.shape(scale)}")
     value = jnp.asarray(outside.scale("scale", scale, DEFAULT_MIN_SCALE, DEFAULT_MAX_SCALE),
                         jnp.float32)
@@ -472,8 +472,10 @@ def keep_if_skipped(new: Any, old: Any, before: optax.OptState, after: optax.Opt
   keep = jnp.logical_or(skipped, jnp.logical_not(finite))
 
   def select(n: Any, o: Any) -> Any:
-    o = jnp.asarray(o)
-    return jnp.where(keep, o, jnp.asarray(n).astype(o.dtype))
+    o, n = jnp.asarray(o), jnp.asarray(n)
+    if n.dtype != o.dtype:  # typed PRNG keys have no astype
+      n = n.astype(o.dtype)
+    return jnp.where(keep, o, n)
 
   return jax.tree.map(select, new, old)
 
@@ -760,7 +762,9 @@ def upgrade_opt_state(restored: Any, template: optax.OptState) -> optax.OptState
       extra = sorted(str(k) for k in raw if k not in node)
       if extra:
         raise fail(where, f"unexpected keys {extra} (accepted: {sorted(node)})")
-      return {k: build(raw[k], v, f"{where}[{k!r}]") if k in raw else v for k, v in node.items()}
+      # type(node): an OrderedDict of parameters stays one.
+      return type(node)((k, build(raw[k], v, f"{where}[{k!r}]") if k in raw else v)
+                        for k, v in node.items())
     if node is None or not jax.tree.leaves(node):
       if raw is not None and jax.tree.leaves(raw):
         raise fail(where, f"expected nothing, got {raw!r}")
