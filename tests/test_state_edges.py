@@ -305,11 +305,12 @@ def test_stale_fraction_without_bfloat16_leaves_is_a_float32_zero(x64):
 # set_loss_scale
 
 
-@pytest.mark.parametrize("scale", [jnp.int32(512), jnp.float16(512), jnp.bfloat16(512)])
-def test_set_loss_scale_to_a_traced_scalar_stores_a_float32_scale(scale):
-  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
-  state = tx.init(PARAMS)
-  new = jax.jit(jaxamp.set_loss_scale)(state, scale)
+@pytest.mark.parametrize("x64", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float16, jnp.bfloat16])
+def test_set_loss_scale_to_a_traced_scalar_stores_a_float32_scale(dtype, x64):
+  with _enable_x64(x64):
+    state = jaxamp.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
+    new = jax.jit(jaxamp.set_loss_scale)(state, jnp.asarray(512, dtype))
   assert new.scale.dtype == jnp.float32 and float(new.scale) == 512.0
   assert _same(new, state._replace(scale=jnp.float32(512.0)))
 
