@@ -551,7 +551,8 @@ def _check_params_like_state(inner_state: Any, params: Any) -> None:
   """Refuses ``params`` of another structure than a params-like tree in ``inner_state``.
 
   Optimizer states hold trees shaped like the parameters (momenta, moments);
-  one with the same leaf shapes, in order, but another tree structure means
+  one with the same leaf shapes, in order, floating where the parameters are
+  (a tree of step counts is no moment), but another tree structure means
   that ``params`` is not the tree the optimizer was initialised with, and its
   paths would name the wrong leaves. (A state holding no such tree, as plain
   SGD's, cannot tell; the leaf count is checked always.)
@@ -560,6 +561,7 @@ def _check_params_like_state(inner_state: Any, params: Any) -> None:
   shapes = [jnp.shape(x) for x in jax.tree.leaves(params)]
   if not shapes:
     return
+  floating = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in jax.tree.leaves(params)]
 
   found = []
 
@@ -573,7 +575,10 @@ def _check_params_like_state(inner_state: Any, params: Any) -> None:
   if found:
     return
   for sub in _subtrees(inner_state):
-    if [jnp.shape(x) for x in jax.tree.leaves(sub)] == shapes:
+    leaves = jax.tree.leaves(sub)
+    # A moment of a floating parameter is floating: a tree of step counts is not params-like.
+    if [jnp.shape(x) for x in leaves] == shapes and all(
+        jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x, f in zip(leaves, floating) if f):
       raise ValueError(
           "params has another tree structure than the parameters the optimizer state was "
           f"initialised with ({jax.tree.structure(params)} against {jax.tree.structure(sub)}): "
