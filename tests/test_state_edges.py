@@ -438,3 +438,15 @@ def test_accumulation_leaves_non_finite_windows_to_a_declared_skipping_transform
   assert int(state.skipped_windows) == 0  # and the accumulator did not drop it
   assert int(jaxamp.skipped_steps(state)) == 0
   assert int(state.gradient_step) == 1
+
+
+# -------------------------------------------------------------------------------------------------
+# The scale a train state without a loss scaler reads.
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_train_state_without_a_loss_scaler_reads_a_float32_scale_of_one(x64):
+  with _enable_x64(x64):
+    state = jaxamp.TrainState.create(apply_fn=lambda p, x: x, params=PARAMS, tx=optax.sgd(0.1))
+    scale = state.loss_scale
+  assert scale.shape == () and scale.dtype == jnp.float32 and float(scale) == 1.0
