@@ -378,6 +378,19 @@ def test_skip_report_refuses_params_of_another_dict_structure(inner):
     jaxamp.skip_report(state, {"x": jnp.ones(2), "y": jnp.ones(3)})
 
 
+@pytest.mark.parametrize("inject", [
+    lambda tx: tx(learning_rate=1e-3),
+    lambda tx: tx(learning_rate=optax.linear_schedule(1e-3, 1e-4, 100)),
+], ids=["fixed", "scheduled"])
+def test_skip_report_looks_into_injected_hyperparameters_states(inject):
+  params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  state = _nan_step(jaxamp.dynamic_loss_scale(inject(optax.inject_hyperparams(optax.adam))),
+                    params)
+  assert jaxamp.skip_report(state, params) == ["['a']", "['b']"]
+  with pytest.raises(ValueError, match=_MESSAGE):
+    jaxamp.skip_report(state, {"x": jnp.ones(2), "y": jnp.ones(3)})
+
+
 def test_skip_report_refuses_a_list_for_tuple_params():
   params = (jnp.ones(2), jnp.ones(3))
   state = _nan_step(jaxamp.dynamic_loss_scale(optax.adam(1e-3)), params)
@@ -389,7 +402,9 @@ def test_skip_report_refuses_a_list_for_tuple_params():
 @pytest.mark.parametrize("inner", [
     optax.scale_by_schedule(lambda count: -0.1),
     optax.sgd(optax.linear_schedule(0.1, 0.01, 100)),  # (EmptyState(), ScaleByScheduleState(count))
-], ids=["schedule", "sgd-schedule"])
+    optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),  # hyperparams={'learning_rate': ()}
+    optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(0.1, 0.01, 100)),
+], ids=["schedule", "sgd-schedule", "injected", "injected-schedule"])
 def test_skip_report_of_a_one_scalar_model_with_a_step_counter(inner):
   # The step count has the parameter's shape, but it is not a tree of moments.
   params = {"w": jnp.ones(())}

@@ -586,14 +586,23 @@ def _check_params_like_state(inner_state: Any, params: Any) -> None:
           "initialised with")
 
 
+_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
 def _subtrees(tree: Any) -> list:
-  """Every container node of ``tree`` (dicts, lists, non-empty tuples), outermost first."""
+  """Every container node of ``tree`` (dicts, lists, non-empty tuples), outermost first.
+
+  The injected hyperparameters of ``optax.inject_hyperparams`` (scalars, no
+  moments) are left out.
+  """
   out = []
   stack = [tree]
   while stack:
     node = stack.pop()
     children = None
-    if isinstance(node, dict):
+    if isinstance(node, _INJECT_STATES):
+      children = [node.inner_state]
+    elif isinstance(node, dict):
       children = list(node.values())
     elif isinstance(node, (list, tuple)):
       children = list(node)
