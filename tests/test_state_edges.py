@@ -147,6 +147,15 @@ def test_upgrade_refuses_nothing_for_a_stateful_chain():
     jaxamp.upgrade_opt_state(old, template)
 
 
+def test_upgrade_refuses_nothing_for_a_moment():
+  template = _adam_tx().init(PARAMS)
+  old = _as_restored(template)
+  old["inner_state"][0]["mu"] = None
+  with pytest.raises(ValueError, match=r"^state\.inner_state\[0\]\.mu: expected a dict with keys "
+                                       r"\['b', 'w'\], got NoneType"):
+    jaxamp.upgrade_opt_state(old, template)
+
+
 def test_upgrade_names_the_path_of_a_bad_moment():
   template = _adam_tx().init(PARAMS)
   old = _as_restored(template)
@@ -409,6 +418,15 @@ def test_skip_report_of_a_one_scalar_model_with_a_step_counter(inner):
   # The step count has the parameter's shape, but it is not a tree of moments.
   params = {"w": jnp.ones(())}
   state = _nan_step(jaxamp.dynamic_loss_scale(inner), params)
+  assert jaxamp.skip_report(state, params) == ["['w']"]
+
+
+@pytest.mark.filterwarnings("ignore:params leaf .* has non-floating dtype")
+def test_skip_report_of_a_flattened_optimizer():
+  # optax.flatten keeps moments as flat vectors (here a lone leaf, in a TraceState): no tree in
+  # the state has the parameters' structure, and none is taken for it.
+  params = {"w": jnp.ones(3)}
+  state = _nan_step(jaxamp.dynamic_loss_scale(optax.flatten(optax.trace(0.9))), params)
   assert jaxamp.skip_report(state, params) == ["['w']"]
 
 
