@@ -180,3 +180,76 @@ def test_mixed_precision_wrappers_are_the_same_static_argument_only_for_the_same
   # Distinct wrappers hash apart, so a cache keyed by them does not degrade to a list.
   fns = [_loss_a, _loss_b, jnp.sum, jnp.mean]
   assert len({hash(jaxamp.mixed_precision(fn, "c=f16")) for fn in fns}) > 1
+
+
+# ---- autocast as a method decorator
+
+
+class _Scaled:
+  """A plain Python layer: its scale is a static attribute read by the method."""
+
+  def __init__(self, scale):
+    self.scale = scale
+
+  @jaxamp.autocast
+  def apply(self, x, w):
+    return (x @ w) * self.scale
+
+
+def test_autocast_decorates_a_method_and_binds_the_instance():
+  x, w = jnp.asarray(X), jnp.asarray(Y)
+  layer = _Scaled(0.5)
+  want = jaxamp.autocast(lambda x, w: (x @ w) * 0.5)(x, w)
+  for out in (layer.apply(x, w),  # bound: the instance is the first argument
+              _Scaled.apply(layer, x, w)):  # through the class: passed by hand, as for a function
+    assert out.dtype == jnp.float16
+    np.testing.assert_array_equal(out, want)
+  np.testing.assert_array_equal(_Scaled(2.0).apply(x, w), want * 4)
+
+
+def test_an_autocast_method_of_an_equinox_module_gives_float32_gradients():
+  import equinox as eqx
+
+  class Dense(eqx.Module):
+    w: jax.Array
+
+    @jaxamp.autocast
+    def __call__(self, x):
+      return jnp.tanh(x @ self.w)
+
+  def loss(model, x):
+    return jnp.sum(model(x).astype(jnp.float32))
+
+  model, x = Dense(jnp.asarray(Y)), jnp.asarray(X)
+  assert model(x).dtype == jnp.float16
+  grads = jax.grad(loss)(model, x)
+  want = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))(model.w, x)
+  assert grads.w.dtype == jnp.float32
+  np.testing.assert_allclose(grads.w, want, rtol=1e-2, atol=1e-2)
+
+
+# ---- a step that differentiates a rematerialized scan (a closed_call in its program)
+
+
+def _rnn_loss(w, xs):
+  def cell(h, x):
+    h = jnp.tanh(h @ w + x)
+    return h, h
+
+  _, hs = jax.lax.scan(cell, jnp.zeros(xs.shape[1:]), xs)
+  return jnp.mean(hs ** 2)
+
+
+def test_autocast_of_a_step_that_differentiates_a_checkpointed_scan():
+  # jax.grad of a jax.checkpoint around a scan splits the scan: its forward part is a
+  # closed_call, which autocast enters like the rest of the program.
+  step = lambda w, xs: jax.value_and_grad(jax.checkpoint(_rnn_loss))(w, xs)
+  rng = np.random.RandomState(0)
+  w = jnp.asarray(rng.randn(4, 4) / 2, jnp.float32)
+  xs = jnp.asarray(rng.randn(5, 2, 4), jnp.float32)
+  loss, grad = jax.jit(jaxamp.autocast(step))(w, xs)
+  assert loss.dtype == grad.dtype == jnp.float32
+  # The forward pass is the autocast loss's: its matmuls run in float16.
+  np.testing.assert_allclose(loss, jaxamp.autocast(_rnn_loss)(w, xs), rtol=1e-6)
+  assert abs(float(loss) - float(_rnn_loss(w, xs))) > 1e-6
+  np.testing.assert_allclose(grad, jax.grad(_rnn_loss)(w, xs), rtol=2e-2, atol=2e-3)
