@@ -253,3 +253,71 @@ def test_autocast_of_a_step_that_differentiates_a_checkpointed_scan():
   np.testing.assert_allclose(loss, jaxamp.autocast(_rnn_loss)(w, xs), rtol=1e-6)
   assert abs(float(loss) - float(_rnn_loss(w, xs))) > 1e-6
   np.testing.assert_allclose(grad, jax.grad(_rnn_loss)(w, xs), rtol=2e-2, atol=2e-3)
+
+
+# ---- custom_jvp rules that declare an output's tangent zero
+
+
+@jax.custom_jvp
+def _softsign_and_rounded(h):
+  return h / (1 + jnp.abs(h)), jnp.round(h)
+
+
+def _softsign_and_rounded_jvp(primals, tangents):
+  (h,), (th,) = primals, tangents
+  # Rounding is a step function: the rule says its tangent is zero, symbolically.
+  out = _softsign_and_rounded(h)
+  zero = jax.custom_derivatives.zero_from_primal(out[1], symbolic_zeros=True)
+  return out, (th / (1 + jnp.abs(h)) ** 2, zero)
+
+
+_softsign_and_rounded.defjvp(_softsign_and_rounded_jvp, symbolic_zeros=True)
+
+
+def test_a_custom_jvp_output_with_a_symbolic_zero_tangent_keeps_its_half_precision_dtype():
+  f = lambda x, w: _softsign_and_rounded(x @ w)
+  x, w = jnp.asarray(X), jnp.asarray(Y)
+  (soft, rounded), (t_soft, t_rounded) = jax.jvp(jaxamp.autocast(f), (x, w), (x, w))
+  (_, want_rounded), (want_t, _) = jax.jvp(f, (x, w), (x, w))
+  # The function's outputs are float16 (it runs on a float16 product); so are their tangents.
+  assert soft.dtype == rounded.dtype == t_soft.dtype == t_rounded.dtype == jnp.float16
+  np.testing.assert_array_equal(rounded, want_rounded)
+  np.testing.assert_array_equal(t_rounded, np.zeros_like(X))
+  np.testing.assert_allclose(t_soft, want_t, rtol=1e-2, atol=1e-3)
+  loss = lambda x, w: jnp.sum(f(x, w)[0] * f(x, w)[1])
+  got = jax.grad(jaxamp.autocast(loss))(x, w)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, jax.grad(loss)(x, w), rtol=1e-2, atol=1e-3)
+
+
+@jax.custom_jvp
+def _clip_and_count(x, limit):
+  clipped = jnp.clip(x, -limit, limit)
+  return clipped, jnp.sum(jnp.abs(x) > limit, axis=-1, dtype=jnp.int32)
+
+
+def _clip_and_count_jvp(primals, tangents):
+  (x, limit), (tx, _) = primals, tangents
+  clipped, count = _clip_and_count(x, limit)
+  t_clipped = jnp.where(jnp.abs(x) > limit, jnp.zeros_like(tx), tx)
+  return (clipped, count), (t_clipped, jax.custom_derivatives.zero_from_primal(
+      count, symbolic_zeros=True))
+
+
+_clip_and_count.defjvp(_clip_and_count_jvp, symbolic_zeros=True)
+
+
+def test_a_custom_jvp_integer_output_gets_a_float0_tangent_under_autocast():
+  def f(x, w):
+    return _clip_and_count(x @ w, 2.0)
+
+  x, w = jnp.asarray(X), jnp.asarray(Y)
+  (clipped, count), (t_clipped, t_count) = jax.jvp(jaxamp.autocast(f), (x, w), (x, w))
+  (_, want_count), (want_t, _) = jax.jvp(f, (x, w), (x, w))
+  assert count.dtype == jnp.int32 and t_clipped.dtype == clipped.dtype
+  np.testing.assert_array_equal(count, want_count)
+  assert t_count.dtype == jax.dtypes.float0 and t_count.shape == count.shape
+  np.testing.assert_allclose(t_clipped, want_t, rtol=2e-3)
+  loss = lambda x, w: jnp.sum(f(x, w)[0])
+  np.testing.assert_allclose(jax.grad(jaxamp.autocast(loss))(x, w), jax.grad(loss)(x, w),
+                             rtol=1e-2)
