@@ -321,3 +321,125 @@ def test_a_custom_jvp_integer_output_gets_a_float0_tangent_under_autocast():
   loss = lambda x, w: jnp.sum(f(x, w)[0])
   np.testing.assert_allclose(jax.grad(jaxamp.autocast(loss))(x, w), jax.grad(loss)(x, w),
                              rtol=1e-2)
+
+
+# ---- custom_vjp patterns
+
+
+@jax.custom_vjp
+def _sin_times(x, h):
+  return jnp.sin(x) * h
+
+
+def _sin_times_fwd(x, h):
+  # Two residuals computed here, and one that is an input (h).
+  return _sin_times(x, h), (jnp.cos(x), jnp.sin(x), h)
+
+
+def _sin_times_bwd(res, g):
+  cos_x, sin_x, h = res
+  return cos_x * g * h, sin_x * g
+
+
+_sin_times.defvjp(_sin_times_fwd, _sin_times_bwd)
+
+
+def test_a_custom_vjp_with_computed_residuals_gives_the_autocast_value_and_float32_gradients():
+  # h is a float16 product under autocast: the backward rule still gets it at float32,
+  # the dtype it was traced with, like its other residuals and the cotangent.
+  loss = lambda x, w: jnp.sum(_sin_times(x, x @ w))
+  x, w = jnp.asarray(X), jnp.asarray(Y)
+  value, grads = jax.value_and_grad(jaxamp.autocast(loss), argnums=(0, 1))(x, w)
+  np.testing.assert_array_equal(value, jaxamp.autocast(loss)(x, w))
+  want = jax.grad(loss, argnums=(0, 1))(x, w)
+  for g, r in zip(grads, want):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-2)
+
+
+@jax.custom_vjp
+def _tanh(h):
+  return jnp.tanh(h)
+
+
+def _tanh_fwd(h):
+  # The same function by another formula (its float32 sigmoid kept for the backward rule).
+  s = jax.nn.sigmoid(2 * h)
+  return 2 * s - 1, s
+
+
+def _tanh_bwd(s, g):
+  return (g * 4 * s * (1 - s),)
+
+
+_tanh.defvjp(_tanh_fwd, _tanh_bwd)
+
+
+def test_a_custom_vjp_forward_rule_returns_the_dtype_the_function_returns():
+  f = lambda x, w: _tanh(x @ w)
+  x, w = jnp.asarray(X) / 4, jnp.asarray(Y) / 4
+  out, vjp = jax.vjp(jaxamp.autocast(f), x, w)
+  assert out.dtype == jaxamp.autocast(f)(x, w).dtype == jnp.float16
+  np.testing.assert_allclose(out, np.tanh((X / 4) @ (Y / 4)), rtol=2e-3, atol=2e-3)
+  grads = vjp(jnp.ones_like(out))
+  want = jax.vjp(f, x, w)[1](jnp.ones((2, 2)))
+  for g, r in zip(grads, want):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-3)
+
+
+@jax.custom_vjp
+def _matmul_and_double(x, y):
+  return x @ y, x * 2.0
+
+
+def _matmul_and_double_fwd(x, y):
+  return _matmul_and_double(x.value, y.value), (x.value, y.value)
+
+
+def _matmul_and_double_bwd(res, cts):
+  x, y = res
+  ct_mul, ct_double = cts
+  # A rule written for symbolic zeros that makes arrays of them where it needs arrays.
+  if isinstance(ct_double, jax.custom_derivatives.SymbolicZero):
+    ct_double = jnp.zeros(ct_double.shape, ct_double.dtype)
+  return ct_mul @ y.T + 2.0 * ct_double, x.T @ ct_mul
+
+
+_matmul_and_double.defvjp(_matmul_and_double_fwd, _matmul_and_double_bwd, symbolic_zeros=True)
+
+
+def test_a_symbolic_zero_cotangent_has_the_shape_and_dtype_of_its_output():
+  loss = lambda x, y: jnp.sum(_matmul_and_double(x, y)[0])
+  x, y = jnp.asarray(X), jnp.asarray(Y)
+  got = jax.grad(jaxamp.autocast(loss, jnp.bfloat16), argnums=(0, 1))(x, y)
+  want = jax.grad(loss, argnums=(0, 1))(x, y)
+  for g, w in zip(got, want):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2)
+
+
+@jax.custom_vjp
+def _tempered(x, temperature):
+  return x / temperature
+
+
+def _tempered_fwd(x, temperature):
+  return _tempered(x, temperature), temperature
+
+
+def _tempered_bwd(temperature, g):
+  return g / temperature, None  # the temperature is a float input the rule does not differentiate
+
+
+_tempered.defvjp(_tempered_fwd, _tempered_bwd)
+
+
+def test_a_custom_vjp_rule_may_return_none_for_a_float_input():
+  loss = lambda x, w, t: jnp.sum(jax.nn.log_softmax(_tempered(x @ w, t)))
+  x, w, t = jnp.asarray(X), jnp.asarray(Y), jnp.float32(2.0)
+  got = jax.grad(jaxamp.autocast(loss), argnums=(1, 2))(x, w, t)
+  want = jax.grad(loss, argnums=(1, 2))(x, w, t)
+  assert got[0].dtype == got[1].dtype == jnp.float32
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-2, atol=1e-2)
+  assert float(got[1]) == float(want[1]) == 0.0
