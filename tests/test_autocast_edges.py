@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxamp
 
@@ -443,3 +444,18 @@ def test_a_custom_vjp_rule_may_return_none_for_a_float_input():
   assert got[0].dtype == got[1].dtype == jnp.float32
   np.testing.assert_allclose(got[0], want[0], rtol=1e-2, atol=1e-2)
   assert float(got[1]) == float(want[1]) == 0.0
+
+
+class _Named:
+  """Something with a name that is not a primitive's (a primitive's is a non-empty str)."""
+
+  def __init__(self, name):
+    self.name = name
+
+
+def test_an_override_key_with_an_empty_or_non_string_name_is_refused():
+  f = lambda x: x @ x
+  for key in (_Named(""), _Named(b"dot_general")):
+    with pytest.raises(TypeError, match="overrides keys must be primitive names"):
+      jaxamp.autocast(f, overrides={key: "off"})
+  assert jaxamp.autocast(f, overrides={jax.lax.dot_general_p: "off"})(X).dtype == jnp.float32
