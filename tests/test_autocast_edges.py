@@ -459,3 +459,102 @@ def test_an_override_key_with_an_empty_or_non_string_name_is_refused():
     with pytest.raises(TypeError, match="overrides keys must be primitive names"):
       jaxamp.autocast(f, overrides={key: "off"})
   assert jaxamp.autocast(f, overrides={jax.lax.dot_general_p: "off"})(X).dtype == jnp.float32
+
+
+def _ring_sum(s, axis, n):
+  """The sum of ``s`` over the ``n`` shards of ``axis``, passed round a ring by ppermute."""
+  total = s
+  for shift in range(1, n):
+    total = total + jax.lax.ppermute(s, axis, [(i, (i + shift) % n) for i in range(n)])
+  return total
+
+
+def test_a_shard_map_without_varying_checks_keeps_them_off_under_autocast():
+  # A sum by ppermute is the same on every shard, but only the program knows it: the
+  # shard_map turns off the check that its output does not vary, and autocast keeps it off.
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  spec = jax.sharding.PartitionSpec
+
+  def f(x, w):
+    body = lambda x, w: _ring_sum(jnp.sum(x @ w, axis=0), "d", n)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec("d"), spec()), out_specs=spec(),
+                         check_vma=False)(x, w)
+
+  x, w = jnp.tile(jnp.asarray(X), (n, 1)), jnp.asarray(Y)
+  out = jax.jit(jaxamp.autocast(f))(x, w)
+  assert out.dtype == jnp.float32  # a float16 product, summed in float32
+  want = n * np.sum((X.astype(np.float16) @ Y.astype(np.float16)).astype(np.float32), axis=0)
+  np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_a_shard_map_over_some_axes_leaves_the_others_to_the_compiler_under_autocast():
+  # Manual over 'data' only: the body may constrain the sharding of 'model', an axis
+  # that stays automatic inside it (and cannot be constrained where it is manual).
+  n = jax.device_count()
+  shape = (n // 2, 2) if n > 1 else (1, 1)
+  mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  spec = jax.sharding.PartitionSpec
+
+  def body(x, w):
+    return jax.lax.with_sharding_constraint(x @ w, spec(None, "model"))
+
+  def f(x, w):
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec("data"), spec()),
+                         out_specs=spec("data"), axis_names={"data"})(x, w)
+
+  x, w = jnp.tile(jnp.asarray(X), (shape[0], 1)), jnp.asarray(Y)
+  with jax.set_mesh(mesh):
+    out = jax.jit(jaxamp.autocast(f))(x, w)
+  assert out.dtype == jnp.float16
+  np.testing.assert_array_equal(out, np.tile(X.astype(np.float16) @ Y.astype(np.float16),
+                                             (shape[0], 1)))
+
+
+def test_a_data_parallel_mean_in_shard_map_differentiates_under_autocast():
+  # The shard_map checks which values vary across shards (the default); pmean makes the
+  # local losses one, and its gradient goes back to each shard.
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  spec = jax.sharding.PartitionSpec
+
+  def local_loss(w, x):
+    return jax.lax.pmean(jnp.mean(jnp.tanh(x @ w) ** 2), "data")
+
+  loss = jax.shard_map(local_loss, mesh=mesh, in_specs=(spec(), spec("data")), out_specs=spec())
+  w, x = jnp.asarray(Y) / 4, jnp.tile(jnp.asarray(X), (n, 1))
+  value, grad = jax.jit(jax.value_and_grad(jaxamp.autocast(loss)))(w, x)
+  want_value, want_grad = jax.value_and_grad(loss)(w, x)
+  assert value.dtype == grad.dtype == jnp.float32
+  np.testing.assert_allclose(value, want_value, rtol=1e-2)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-2, atol=1e-3)
+
+
+@jax.custom_vjp
+def _clamp_and_count(x):
+  return jnp.clip(x, -1.0, 1.0), jnp.sum(jnp.abs(x) > 1.0, dtype=jnp.int32)
+
+
+def _clamp_and_count_fwd(x):
+  return _clamp_and_count(x), x
+
+
+def _clamp_and_count_bwd(x, cts):
+  g, _ = cts  # the count's cotangent: float0, like every integer output's
+  return (jnp.where(jnp.abs(x) > 1.0, jnp.zeros_like(g), g),)
+
+
+_clamp_and_count.defvjp(_clamp_and_count_fwd, _clamp_and_count_bwd)
+
+
+def test_a_custom_vjp_with_an_integer_output_differentiates_under_autocast():
+  def loss(x, w):
+    clipped, count = _clamp_and_count(x @ w)
+    return jnp.sum(clipped) + count.astype(jnp.float32)
+
+  x, w = jnp.asarray(X), jnp.asarray(Y) / 4
+  got = jax.grad(jaxamp.autocast(loss), argnums=(0, 1))(x, w)
+  want = jax.grad(loss, argnums=(0, 1))(x, w)
+  for g, r in zip(got, want):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-3)
