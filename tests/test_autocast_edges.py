@@ -559,3 +559,48 @@ def test_a_custom_vjp_with_an_integer_output_differentiates_under_autocast():
   for g, r in zip(got, want):
     assert g.dtype == jnp.float32
     np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-3)
+
+
+@jax.custom_jvp
+def _sin_and_floor(x):
+  return jnp.sin(x), jnp.floor(x).astype(jnp.int32)
+
+
+@_sin_and_floor.defjvp
+def _sin_and_floor_jvp(primals, tangents):
+  (x,), (tx,) = primals, tangents
+  # An integer output's tangent is float0 zeros, as JAX asks of a rule without symbolic zeros.
+  return _sin_and_floor(x), (jnp.cos(x) * tx, np.zeros(x.shape, jax.dtypes.float0))
+
+
+def test_a_custom_jvp_rule_returning_float0_for_an_integer_output_runs_under_autocast():
+  f = lambda x, w: _sin_and_floor(x @ w)
+  x, w = jnp.asarray(X), jnp.asarray(Y) / 4
+  (_, floor), (t_sin, t_floor) = jax.jvp(jaxamp.autocast(f), (x, w), (x, w))
+  (_, want_floor), (want_t, _) = jax.jit(lambda *a: jax.jvp(f, a, a))(x, w)
+  np.testing.assert_array_equal(floor, want_floor)
+  assert t_floor.dtype == jax.dtypes.float0 and t_floor.shape == floor.shape
+  np.testing.assert_allclose(t_sin, want_t, rtol=1e-2, atol=1e-3)
+  loss = lambda x, w: jnp.sum(f(x, w)[0])
+  np.testing.assert_allclose(jax.grad(jaxamp.autocast(loss))(x, w),
+                             jax.jit(jax.grad(loss))(x, w), rtol=1e-2, atol=1e-3)
+
+
+@jax.custom_jvp
+def _complex_square(z):
+  return z * z
+
+
+@_complex_square.defjvp
+def _complex_square_jvp(primals, tangents):
+  (z,), (tz,) = primals, tangents
+  return _complex_square(z), 2 * z * tz
+
+
+def test_a_custom_jvp_on_complex_values_keeps_their_tangents_under_autocast():
+  z = jnp.asarray(X[0] + 1j * Y[0], jnp.complex64)
+  got = jax.jvp(jaxamp.autocast(_complex_square), (z,), (z,))
+  want = jax.jvp(_complex_square, (z,), (z,))
+  for g, r in zip(got, want):
+    assert g.dtype == jnp.complex64
+    np.testing.assert_allclose(g, r, rtol=1e-6)
