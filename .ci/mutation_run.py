@@ -5,6 +5,12 @@ plain fork runner sorts them); with pytest's -x, the first test that fails ends 
 so running the fastest first makes a killed mutant cheap. The durations are those of the
 stats pass.
 
+The mutants listed in .ci/mutation_equivalent.txt are not run: they survive by definition,
+the score leaves them out, and each would cost every one of its covering tests.
+
+MUTATION_PENDING=1 runs only the mutants that have no result yet, also when mutant names
+or globs are given (mutmut reruns every mutant a name matches).
+
 MUTATION_SKIP_CLEAN=1 skips mutmut's clean-test pass: before the mutants, mutmut runs every
 test that covers them on the unmutated code. The stats pass of the same run (or of an
 earlier run on the same code) has already run those tests and stopped on any failure, so
@@ -12,13 +18,18 @@ on a slow machine the second pass can be skipped.
 """
 
 import os
+import pathlib
 import sys
 
-from mutmut.__main__ import cli
+from mutmut import __main__ as mutmut_main
 from mutmut.state import state
 from mutmut.workers import isolation
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from mutation_score import equivalent  # noqa: E402
+
 _submit = isolation.ForkServerRunner.submit
+_collect = mutmut_main.collect_source_file_mutation_data
 
 
 def _submit_fastest_first(self, mutant_name, tests, cpu_time_limit, estimated_time):
@@ -27,11 +38,20 @@ def _submit_fastest_first(self, mutant_name, tests, cpu_time_limit, estimated_ti
   return _submit(self, mutant_name, tests, cpu_time_limit, estimated_time)
 
 
+def _collect_to_run(*, mutant_names):
+  mutants, by_path = _collect(mutant_names=mutant_names)
+  skip = equivalent()
+  pending = os.environ.get("MUTATION_PENDING") == "1"
+  return [(data, name, result) for data, name, result in mutants
+          if name not in skip and not (pending and result is not None)], by_path
+
+
 isolation.ForkServerRunner.submit = _submit_fastest_first
+mutmut_main.collect_source_file_mutation_data = _collect_to_run
 
 if os.environ.get("MUTATION_SKIP_CLEAN") == "1":
   for runner in (isolation.ForkServerRunner, getattr(isolation, "ForkRunner", None)):
     if runner is not None:
       runner.run_clean_tests = lambda self, tests: 0
 
-sys.exit(cli(["run", *sys.argv[1:]]))
+sys.exit(mutmut_main.cli(["run", *sys.argv[1:]]))

@@ -96,6 +96,19 @@ def test_half_precision_gradients_accumulate_in_float32():
   assert tx.init(params).acc_grads["w"].dtype == jnp.bfloat16
 
 
+def test_float8_gradients_accumulate_and_a_window_with_a_nan_is_dropped():
+  tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 2, accumulator_dtype=jnp.float32)
+  params = {"w": jnp.zeros(2, jnp.float8_e5m2)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for grads in ([1.0, 2.0], [3.0, 4.0], [1.0, np.nan], [1.0, 1.0]):
+    updates, state = step({"w": jnp.array(grads, jnp.float32).astype(jnp.float8_e5m2)}, state,
+                          params)
+    if grads[0] == 3.0:
+      np.testing.assert_array_equal(np.asarray(updates["w"], np.float32), [-2.0, -3.0])
+  np.testing.assert_array_equal(np.asarray(updates["w"], np.float32), [0.0, 0.0])
+
+
 def _loss(params, batch):
   return jnp.sum(params["w"] * batch["x"]).astype(jnp.float32)
 

@@ -128,6 +128,28 @@ def test_nonfinite_mask_of_complex_checks_both_parts():
   np.testing.assert_array_equal(finite.nonfinite_mask(x), [False, True, True])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e5m2, jnp.float8_e4m3fn])
+def test_float8_leaves_are_checked_and_kept_as_stored(dtype):
+  # float8 is not an IEEE format with a bit rule here (e4m3fn has no inf): its check reads
+  # isinf/isnan, and as_stored passes every value through unchanged.
+  special = [np.nan] + ([np.inf, -np.inf] if jnp.finfo(dtype).bits == 8 and dtype == jnp.float8_e5m2
+                        else [])
+  finite_values = jnp.array([0.0, -1.5, float(jnp.finfo(dtype).max)], jnp.float32).astype(dtype)
+  assert bool(jax.jit(jaxamp.all_finite)({"w": finite_values})) is True
+  for value in special:
+    leaf = jnp.array([1.0, value], jnp.float32).astype(dtype)
+    assert bool(jax.jit(jaxamp.all_finite)({"w": finite_values, "g": leaf})) is False
+    np.testing.assert_array_equal(finite.nonfinite_mask(leaf), [False, True])
+    inf, nan = finite.inf_nan_masks(leaf)
+    np.testing.assert_array_equal(nan, [False, np.isnan(value)])
+    np.testing.assert_array_equal(inf, [False, np.isinf(value)])
+  values = jnp.array([0.0, -1.5, 448.0 if dtype == jnp.float8_e4m3fn else 57344.0, np.nan],
+                     jnp.float32).astype(dtype)
+  got = jax.jit(finite.as_stored)(values)
+  assert got.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(values, np.float32))
+
+
 # The gradient of sum(p * x) * s is x * s: with s = 2^127 one element overflows
 # to -inf, while a sum that XLA fuses with that multiply (an FMA) stays finite.
 _X = jnp.array([1.779, -3.37, 1.209, 1.717], jnp.float32)

@@ -210,8 +210,10 @@ def as_stored(x: jax.Array) -> jax.Array:
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     return lax.complex(as_stored(x.real), as_stored(x.imag))
   inf, nan = inf_nan_masks(x)
-  # The sign of an element that rounds to inf is that of its unrounded value.
-  return jnp.where(nan, jnp.full_like(x, jnp.nan), jnp.where(inf, jnp.copysign(jnp.inf, x), x))
+  # The sign of an element that rounds to inf is that of its unrounded value (a comparison, as
+  # copysign does not take float8).
+  signed_inf = jnp.where(x < 0, jnp.full_like(x, -jnp.inf), jnp.full_like(x, jnp.inf))
+  return jnp.where(nan, jnp.full_like(x, jnp.nan), jnp.where(inf, signed_inf, x))
 
 
 def stored_once(tree: Any) -> Any:
