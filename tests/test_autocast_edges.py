@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxamp
 
@@ -180,3 +181,426 @@ def test_mixed_precision_wrappers_are_the_same_static_argument_only_for_the_same
   # Distinct wrappers hash apart, so a cache keyed by them does not degrade to a list.
   fns = [_loss_a, _loss_b, jnp.sum, jnp.mean]
   assert len({hash(jaxamp.mixed_precision(fn, "c=f16")) for fn in fns}) > 1
+
+
+# ---- autocast as a method decorator
+
+
+class _Scaled:
+  """A plain Python layer: its scale is a static attribute read by the method."""
+
+  def __init__(self, scale):
+    self.scale = scale
+
+  @jaxamp.autocast
+  def apply(self, x, w):
+    return (x @ w) * self.scale
+
+
+def test_autocast_decorates_a_method_and_binds_the_instance():
+  x, w = jnp.asarray(X), jnp.asarray(Y)
+  layer = _Scaled(0.5)
+  want = jaxamp.autocast(lambda x, w: (x @ w) * 0.5)(x, w)
+  for out in (layer.apply(x, w),  # bound: the instance is the first argument
+              _Scaled.apply(layer, x, w)):  # through the class: passed by hand, as for a function
+    assert out.dtype == jnp.float16
+    np.testing.assert_array_equal(out, want)
+  np.testing.assert_array_equal(_Scaled(2.0).apply(x, w), want * 4)
+
+
+def test_an_autocast_method_of_an_equinox_module_gives_float32_gradients():
+  import equinox as eqx
+
+  class Dense(eqx.Module):
+    w: jax.Array
+
+    @jaxamp.autocast
+    def __call__(self, x):
+      return jnp.tanh(x @ self.w)
+
+  def loss(model, x):
+    return jnp.sum(model(x).astype(jnp.float32))
+
+  model, x = Dense(jnp.asarray(Y)), jnp.asarray(X)
+  assert model(x).dtype == jnp.float16
+  grads = jax.grad(loss)(model, x)
+  want = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))(model.w, x)
+  assert grads.w.dtype == jnp.float32
+  np.testing.assert_allclose(grads.w, want, rtol=1e-2, atol=1e-2)
+
+
+# ---- a step that differentiates a rematerialized scan (a closed_call in its program)
+
+
+def _rnn_loss(w, xs):
+  def cell(h, x):
+    h = jnp.tanh(h @ w + x)
+    return h, h
+
+  _, hs = jax.lax.scan(cell, jnp.zeros(xs.shape[1:]), xs)
+  return jnp.mean(hs ** 2)
+
+
+def test_autocast_of_a_step_that_differentiates_a_checkpointed_scan():
+  # jax.grad of a jax.checkpoint around a scan splits the scan: its forward part is a
+  # closed_call, which autocast enters like the rest of the program.
+  step = lambda w, xs: jax.value_and_grad(jax.checkpoint(_rnn_loss))(w, xs)
+  rng = np.random.RandomState(0)
+  w = jnp.asarray(rng.randn(4, 4) / 2, jnp.float32)
+  xs = jnp.asarray(rng.randn(5, 2, 4), jnp.float32)
+  loss, grad = jaxamp.autocast(step)(w, xs)
+  want_loss, want_grad = jax.jit(step)(w, xs)
+  assert loss.dtype == grad.dtype == jnp.float32
+  # The forward pass is the autocast loss's: its matmuls run in float16.
+  np.testing.assert_allclose(loss, jaxamp.autocast(_rnn_loss)(w, xs), rtol=1e-6)
+  assert abs(float(loss) - float(want_loss)) > 1e-6
+  np.testing.assert_allclose(grad, want_grad, rtol=2e-2, atol=2e-3)
+
+
+# ---- custom_jvp rules that declare an output's tangent zero
+
+
+@jax.custom_jvp
+def _softsign_and_rounded(h):
+  return h / (1 + jnp.abs(h)), jnp.round(h)
+
+
+def _softsign_and_rounded_jvp(primals, tangents):
+  (h,), (th,) = primals, tangents
+  # Rounding is a step function: the rule says its tangent is zero, symbolically.
+  out = _softsign_and_rounded(h)
+  zero = jax.custom_derivatives.zero_from_primal(out[1], symbolic_zeros=True)
+  return out, (th / (1 + jnp.abs(h)) ** 2, zero)
+
+
+_softsign_and_rounded.defjvp(_softsign_and_rounded_jvp, symbolic_zeros=True)
+
+
+def test_a_custom_jvp_output_with_a_symbolic_zero_tangent_keeps_its_half_precision_dtype():
+  f = lambda x, w: _softsign_and_rounded(x @ w)
+  x, w = jnp.asarray(X), jnp.asarray(Y)
+  (soft, rounded), (t_soft, t_rounded) = jax.jvp(jaxamp.autocast(f), (x, w), (x, w))
+  (_, want_rounded), (want_t, _) = jax.jit(lambda *a: jax.jvp(f, a, a))(x, w)
+  # The function's outputs are float16 (it runs on a float16 product); so are their tangents.
+  assert soft.dtype == rounded.dtype == t_soft.dtype == t_rounded.dtype == jnp.float16
+  np.testing.assert_array_equal(rounded, want_rounded)
+  np.testing.assert_array_equal(t_rounded, np.zeros_like(X))
+  np.testing.assert_allclose(t_soft, want_t, rtol=1e-2, atol=1e-3)
+  loss = lambda x, w: jnp.sum(f(x, w)[0] * f(x, w)[1])
+  got = jax.grad(jaxamp.autocast(loss))(x, w)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, jax.jit(jax.grad(loss))(x, w), rtol=1e-2, atol=1e-3)
+
+
+@jax.custom_jvp
+def _clip_and_count(x, limit):
+  clipped = jnp.clip(x, -limit, limit)
+  return clipped, jnp.sum(jnp.abs(x) > limit, axis=-1, dtype=jnp.int32)
+
+
+def _clip_and_count_jvp(primals, tangents):
+  (x, limit), (tx, _) = primals, tangents
+  clipped, count = _clip_and_count(x, limit)
+  t_clipped = jnp.where(jnp.abs(x) > limit, jnp.zeros_like(tx), tx)
+  return (clipped, count), (t_clipped, jax.custom_derivatives.zero_from_primal(
+      count, symbolic_zeros=True))
+
+
+_clip_and_count.defjvp(_clip_and_count_jvp, symbolic_zeros=True)
+
+
+def test_a_custom_jvp_integer_output_gets_a_float0_tangent_under_autocast():
+  def f(x, w):
+    return _clip_and_count(x @ w, 2.0)
+
+  x, w = jnp.asarray(X), jnp.asarray(Y)
+  (clipped, count), (t_clipped, t_count) = jax.jvp(jaxamp.autocast(f), (x, w), (x, w))
+  (_, want_count), (want_t, _) = jax.jit(lambda *a: jax.jvp(f, a, a))(x, w)
+  assert count.dtype == jnp.int32 and t_clipped.dtype == clipped.dtype
+  np.testing.assert_array_equal(count, want_count)
+  assert t_count.dtype == jax.dtypes.float0 and t_count.shape == count.shape
+  np.testing.assert_allclose(t_clipped, want_t, rtol=2e-3)
+  loss = lambda x, w: jnp.sum(f(x, w)[0])
+  np.testing.assert_allclose(jax.grad(jaxamp.autocast(loss))(x, w),
+                             jax.jit(jax.grad(loss))(x, w), rtol=1e-2)
+
+
+# ---- custom_vjp patterns
+
+
+@jax.custom_vjp
+def _sin_times(x, h):
+  return jnp.sin(x) * h
+
+
+def _sin_times_fwd(x, h):
+  # Two residuals computed here, and one that is an input (h).
+  return _sin_times(x, h), (jnp.cos(x), jnp.sin(x), h)
+
+
+def _sin_times_bwd(res, g):
+  cos_x, sin_x, h = res
+  return cos_x * g * h, sin_x * g
+
+
+_sin_times.defvjp(_sin_times_fwd, _sin_times_bwd)
+
+
+def test_a_custom_vjp_with_computed_residuals_gives_the_autocast_value_and_float32_gradients():
+  # h is a float16 product under autocast: the backward rule still gets it at float32,
+  # the dtype it was traced with, like its other residuals and the cotangent.
+  loss = lambda x, w: jnp.sum(_sin_times(x, x @ w))
+  x, w = jnp.asarray(X), jnp.asarray(Y)
+  value, grads = jax.value_and_grad(jaxamp.autocast(loss), argnums=(0, 1))(x, w)
+  np.testing.assert_array_equal(value, jaxamp.autocast(loss)(x, w))
+  want = jax.grad(loss, argnums=(0, 1))(x, w)
+  for g, r in zip(grads, want):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-2)
+
+
+@jax.custom_vjp
+def _tanh(h):
+  return jnp.tanh(h)
+
+
+def _tanh_fwd(h):
+  # The same function by another formula (its float32 sigmoid kept for the backward rule).
+  s = jax.nn.sigmoid(2 * h)
+  return 2 * s - 1, s
+
+
+def _tanh_bwd(s, g):
+  return (g * 4 * s * (1 - s),)
+
+
+_tanh.defvjp(_tanh_fwd, _tanh_bwd)
+
+
+def test_a_custom_vjp_forward_rule_returns_the_dtype_the_function_returns():
+  f = lambda x, w: _tanh(x @ w)
+  x, w = jnp.asarray(X) / 4, jnp.asarray(Y) / 4
+  out, vjp = jax.vjp(jaxamp.autocast(f), x, w)
+  assert out.dtype == jaxamp.autocast(f)(x, w).dtype == jnp.float16
+  np.testing.assert_allclose(out, np.tanh((X / 4) @ (Y / 4)), rtol=2e-3, atol=2e-3)
+  grads = vjp(jnp.ones_like(out))
+  want = jax.vjp(f, x, w)[1](jnp.ones((2, 2)))
+  for g, r in zip(grads, want):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-3)
+
+
+@jax.custom_vjp
+def _matmul_and_double(x, y):
+  return x @ y, x * 2.0
+
+
+def _matmul_and_double_fwd(x, y):
+  return _matmul_and_double(x.value, y.value), (x.value, y.value)
+
+
+def _matmul_and_double_bwd(res, cts):
+  x, y = res
+  ct_mul, ct_double = cts
+  # A rule written for symbolic zeros that makes arrays of them where it needs arrays.
+  if isinstance(ct_double, jax.custom_derivatives.SymbolicZero):
+    ct_double = jnp.zeros(ct_double.shape, ct_double.dtype)
+  return ct_mul @ y.T + 2.0 * ct_double, x.T @ ct_mul
+
+
+_matmul_and_double.defvjp(_matmul_and_double_fwd, _matmul_and_double_bwd, symbolic_zeros=True)
+
+
+def test_a_symbolic_zero_cotangent_has_the_shape_and_dtype_of_its_output():
+  loss = lambda x, y: jnp.sum(_matmul_and_double(x, y)[0])
+  x, y = jnp.asarray(X), jnp.asarray(Y)
+  got = jax.grad(jaxamp.autocast(loss, jnp.bfloat16), argnums=(0, 1))(x, y)
+  want = jax.grad(loss, argnums=(0, 1))(x, y)
+  for g, w in zip(got, want):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2)
+
+
+@jax.custom_vjp
+def _tempered(x, temperature):
+  return x / temperature
+
+
+def _tempered_fwd(x, temperature):
+  return _tempered(x, temperature), temperature
+
+
+def _tempered_bwd(temperature, g):
+  return g / temperature, None  # the temperature is a float input the rule does not differentiate
+
+
+_tempered.defvjp(_tempered_fwd, _tempered_bwd)
+
+
+def test_a_custom_vjp_rule_may_return_none_for_a_float_input():
+  loss = lambda x, w, t: jnp.sum(jax.nn.log_softmax(_tempered(x @ w, t)))
+  x, w, t = jnp.asarray(X), jnp.asarray(Y), jnp.float32(2.0)
+  got = jax.grad(jaxamp.autocast(loss), argnums=(1, 2))(x, w, t)
+  want = jax.jit(jax.grad(loss, argnums=(1, 2)))(x, w, t)
+  assert got[0].dtype == got[1].dtype == jnp.float32
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-2, atol=1e-2)
+  assert float(got[1]) == float(want[1]) == 0.0
+
+
+class _Named:
+  """Something with a name that is not a primitive's (a primitive's is a non-empty str)."""
+
+  def __init__(self, name):
+    self.name = name
+
+
+def test_an_override_key_with_an_empty_or_non_string_name_is_refused():
+  f = lambda x: x @ x
+  for key in (_Named(""), _Named(b"dot_general")):
+    with pytest.raises(TypeError, match="overrides keys must be primitive names"):
+      jaxamp.autocast(f, overrides={key: "off"})
+  assert jaxamp.autocast(f, overrides={jax.lax.dot_general_p: "off"})(X).dtype == jnp.float32
+
+
+def _ring_sum(s, axis, n):
+  """The sum of ``s`` over the ``n`` shards of ``axis``, passed round a ring by ppermute."""
+  total = s
+  for shift in range(1, n):
+    total = total + jax.lax.ppermute(s, axis, [(i, (i + shift) % n) for i in range(n)])
+  return total
+
+
+def test_a_shard_map_without_varying_checks_keeps_them_off_under_autocast():
+  # A sum by ppermute is the same on every shard, but only the program knows it: the
+  # shard_map turns off the check that its output does not vary, and autocast keeps it off.
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  spec = jax.sharding.PartitionSpec
+
+  def f(x, w):
+    body = lambda x, w: _ring_sum(jnp.sum(x @ w, axis=0), "d", n)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec("d"), spec()), out_specs=spec(),
+                         check_vma=False)(x, w)
+
+  x, w = jnp.tile(jnp.asarray(X), (n, 1)), jnp.asarray(Y)
+  out = jax.jit(jaxamp.autocast(f))(x, w)
+  assert out.dtype == jnp.float32  # a float16 product, summed in float32
+  want = n * np.sum((X.astype(np.float16) @ Y.astype(np.float16)).astype(np.float32), axis=0)
+  np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_a_shard_map_over_some_axes_leaves_the_others_to_the_compiler_under_autocast():
+  # Manual over 'data' only: the body may constrain the sharding of 'model', an axis
+  # that stays automatic inside it (and cannot be constrained where it is manual).
+  n = jax.device_count()
+  shape = (n // 2, 2) if n > 1 else (1, 1)
+  mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  spec = jax.sharding.PartitionSpec
+
+  def body(x, w):
+    return jax.lax.with_sharding_constraint(x @ w, spec(None, "model"))
+
+  def f(x, w):
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec("data"), spec()),
+                         out_specs=spec("data"), axis_names={"data"})(x, w)
+
+  x, w = jnp.tile(jnp.asarray(X), (shape[0], 1)), jnp.asarray(Y)
+  with jax.set_mesh(mesh):
+    out = jax.jit(jaxamp.autocast(f))(x, w)
+  assert out.dtype == jnp.float16
+  np.testing.assert_array_equal(out, np.tile(X.astype(np.float16) @ Y.astype(np.float16),
+                                             (shape[0], 1)))
+
+
+def test_a_data_parallel_mean_in_shard_map_differentiates_under_autocast():
+  # The shard_map checks which values vary across shards (the default); pmean makes the
+  # local losses one, and its gradient goes back to each shard.
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  spec = jax.sharding.PartitionSpec
+
+  def local_loss(w, x):
+    return jax.lax.pmean(jnp.mean(jnp.tanh(x @ w) ** 2), "data")
+
+  loss = jax.shard_map(local_loss, mesh=mesh, in_specs=(spec(), spec("data")), out_specs=spec())
+  w, x = jnp.asarray(Y) / 4, jnp.tile(jnp.asarray(X), (n, 1))
+  value, grad = jax.value_and_grad(jaxamp.autocast(loss))(w, x)
+  want_value, want_grad = jax.jit(jax.value_and_grad(loss))(w, x)
+  assert value.dtype == grad.dtype == jnp.float32
+  np.testing.assert_allclose(value, want_value, rtol=1e-2)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-2, atol=1e-3)
+
+
+@jax.custom_vjp
+def _clamp_and_count(x):
+  return jnp.clip(x, -1.0, 1.0), jnp.sum(jnp.abs(x) > 1.0, dtype=jnp.int32)
+
+
+def _clamp_and_count_fwd(x):
+  return _clamp_and_count(x), x
+
+
+def _clamp_and_count_bwd(x, cts):
+  g, _ = cts  # the count's cotangent: float0, like every integer output's
+  return (jnp.where(jnp.abs(x) > 1.0, jnp.zeros_like(g), g),)
+
+
+_clamp_and_count.defvjp(_clamp_and_count_fwd, _clamp_and_count_bwd)
+
+
+def test_a_custom_vjp_with_an_integer_output_differentiates_under_autocast():
+  def loss(x, w):
+    clipped, count = _clamp_and_count(x @ w)
+    return jnp.sum(clipped) + count.astype(jnp.float32)
+
+  x, w = jnp.asarray(X), jnp.asarray(Y) / 4
+  got = jax.grad(jaxamp.autocast(loss), argnums=(0, 1))(x, w)
+  want = jax.grad(loss, argnums=(0, 1))(x, w)
+  for g, r in zip(got, want):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-3)
+
+
+@jax.custom_jvp
+def _sin_and_floor(x):
+  return jnp.sin(x), jnp.floor(x).astype(jnp.int32)
+
+
+@_sin_and_floor.defjvp
+def _sin_and_floor_jvp(primals, tangents):
+  (x,), (tx,) = primals, tangents
+  # An integer output's tangent is float0 zeros, as JAX asks of a rule without symbolic zeros.
+  return _sin_and_floor(x), (jnp.cos(x) * tx, np.zeros(x.shape, jax.dtypes.float0))
+
+
+def test_a_custom_jvp_rule_returning_float0_for_an_integer_output_runs_under_autocast():
+  f = lambda x, w: _sin_and_floor(x @ w)
+  x, w = jnp.asarray(X), jnp.asarray(Y) / 4
+  (_, floor), (t_sin, t_floor) = jax.jvp(jaxamp.autocast(f), (x, w), (x, w))
+  (_, want_floor), (want_t, _) = jax.jit(lambda *a: jax.jvp(f, a, a))(x, w)
+  np.testing.assert_array_equal(floor, want_floor)
+  assert t_floor.dtype == jax.dtypes.float0 and t_floor.shape == floor.shape
+  np.testing.assert_allclose(t_sin, want_t, rtol=1e-2, atol=1e-3)
+  loss = lambda x, w: jnp.sum(f(x, w)[0])
+  np.testing.assert_allclose(jax.grad(jaxamp.autocast(loss))(x, w),
+                             jax.jit(jax.grad(loss))(x, w), rtol=1e-2, atol=1e-3)
+
+
+@jax.custom_jvp
+def _complex_square(z):
+  return z * z
+
+
+@_complex_square.defjvp
+def _complex_square_jvp(primals, tangents):
+  (z,), (tz,) = primals, tangents
+  return _complex_square(z), 2 * z * tz
+
+
+def test_a_custom_jvp_on_complex_values_keeps_their_tangents_under_autocast():
+  z = jnp.asarray(X[0] + 1j * Y[0], jnp.complex64)
+  got = jax.jvp(jaxamp.autocast(_complex_square), (z,), (z,))
+  want = jax.jvp(_complex_square, (z,), (z,))
+  for g, r in zip(got, want):
+    assert g.dtype == jnp.complex64
+    np.testing.assert_allclose(g, r, rtol=1e-6)

@@ -301,7 +301,8 @@ def _custom_jvp(eqn, invals, run):
   parts = interp.custom_jvp_parts(eqn)
   if parts.num_consts:
     raise _closed_over("custom_jvp")
-  floats = [_is_float(a.dtype) for a in parts.call.in_avals]
+  # The inputs with tangents: floating and complex ones (the others' are float0 zeros).
+  floats = [jax.dtypes.issubdtype(a.dtype, jnp.inexact) for a in parts.call.in_avals]
 
   @jax.custom_jvp
   def fn(*xs):
@@ -314,9 +315,14 @@ def _custom_jvp(eqn, invals, run):
     nonzero = [t for t, f in zip(tangents, floats) if f]
     res = _eval_closed(jvp_jaxpr, [*primals, *nonzero], run)
     nz = iter(res[len(out_zeros):])
-    tangents_out = tuple(_tangent_zeros(o) if zero else _cast(next(nz), _dtype_of(o))
-                         for o, zero in zip(outs, out_zeros))
-    return outs, tangents_out
+    tangents_out = []
+    for o, zero in zip(outs, out_zeros):
+      t = None if zero else next(nz)
+      # An integer output's tangent is float0 zeros, whatever array the rule returns for it.
+      inexact = jax.dtypes.issubdtype(_dtype_of(o), jnp.inexact)
+      tangents_out.append(_cast(t, _dtype_of(o)) if t is not None and inexact
+                          else _tangent_zeros(o))
+    return outs, tuple(tangents_out)
 
   return list(fn(*invals))
 

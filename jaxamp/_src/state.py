@@ -341,7 +341,7 @@ def set_loss_scale(opt_state: optax.OptState, scale: Any) -> optax.OptState:
                       f"shape {scale.shape}")
     value = scale.astype(jnp.float32)
   else:
-    if isinstance(scale, (np.ndarray, jax.Array)) and np.ndim(scale) != 0:
+    if np.ndim(scale) != 0:  # arrays, and lists and tuples as numpy reads them
       raise ValueError(f"scale must be a scalar, got an array of shape {np.shape(scale)}")
     value = jnp.asarray(outside.scale("scale", scale, DEFAULT_MIN_SCALE, DEFAULT_MAX_SCALE),
                         jnp.float32)
@@ -472,8 +472,10 @@ def keep_if_skipped(new: Any, old: Any, before: optax.OptState, after: optax.Opt
   keep = jnp.logical_or(skipped, jnp.logical_not(finite))
 
   def select(n: Any, o: Any) -> Any:
-    o = jnp.asarray(o)
-    return jnp.where(keep, o, jnp.asarray(n).astype(o.dtype))
+    o, n = jnp.asarray(o), jnp.asarray(n)
+    if n.dtype != o.dtype:  # typed PRNG keys have no astype
+      n = n.astype(o.dtype)
+    return jnp.where(keep, o, n)
 
   return jax.tree.map(select, new, old)
 
@@ -549,7 +551,8 @@ def _check_params_like_state(inner_state: Any, params: Any) -> None:
   """Refuses ``params`` of another structure than a params-like tree in ``inner_state``.
 
   Optimizer states hold trees shaped like the parameters (momenta, moments);
-  one with the same leaf shapes, in order, but another tree structure means
+  one with the same leaf shapes, in order, floating where the parameters are
+  (a tree of step counts is no moment), but another tree structure means
   that ``params`` is not the tree the optimizer was initialised with, and its
   paths would name the wrong leaves. (A state holding no such tree, as plain
   SGD's, cannot tell; the leaf count is checked always.)
@@ -558,6 +561,7 @@ def _check_params_like_state(inner_state: Any, params: Any) -> None:
   shapes = [jnp.shape(x) for x in jax.tree.leaves(params)]
   if not shapes:
     return
+  floating = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in jax.tree.leaves(params)]
 
   found = []
 
@@ -571,7 +575,10 @@ def _check_params_like_state(inner_state: Any, params: Any) -> None:
   if found:
     return
   for sub in _subtrees(inner_state):
-    if [jnp.shape(x) for x in jax.tree.leaves(sub)] == shapes:
+    leaves = jax.tree.leaves(sub)
+    # A moment of a floating parameter is floating: a tree of step counts is not params-like.
+    if [jnp.shape(x) for x in leaves] == shapes and all(
+        jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x, f in zip(leaves, floating) if f):
       raise ValueError(
           "params has another tree structure than the parameters the optimizer state was "
           f"initialised with ({jax.tree.structure(params)} against {jax.tree.structure(sub)}): "
@@ -579,14 +586,23 @@ def _check_params_like_state(inner_state: Any, params: Any) -> None:
           "initialised with")
 
 
+_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
 def _subtrees(tree: Any) -> list:
-  """Every container node of ``tree`` (dicts, lists, non-empty tuples), outermost first."""
+  """Every container node of ``tree`` (dicts, lists, non-empty tuples), outermost first.
+
+  The injected hyperparameters of ``optax.inject_hyperparams`` (scalars, no
+  moments) are left out.
+  """
   out = []
   stack = [tree]
   while stack:
     node = stack.pop()
     children = None
-    if isinstance(node, dict):
+    if isinstance(node, _INJECT_STATES):
+      children = [node.inner_state]
+    elif isinstance(node, dict):
       children = list(node.values())
     elif isinstance(node, (list, tuple)):
       children = list(node)
@@ -760,7 +776,9 @@ def upgrade_opt_state(restored: Any, template: optax.OptState) -> optax.OptState
       extra = sorted(str(k) for k in raw if k not in node)
       if extra:
         raise fail(where, f"unexpected keys {extra} (accepted: {sorted(node)})")
-      return {k: build(raw[k], v, f"{where}[{k!r}]") if k in raw else v for k, v in node.items()}
+      # type(node): an OrderedDict of parameters stays one.
+      return type(node)((k, build(raw[k], v, f"{where}[{k!r}]") if k in raw else v)
+                        for k, v in node.items())
     if node is None or not jax.tree.leaves(node):
       if raw is not None and jax.tree.leaves(raw):
         raise fail(where, f"expected nothing, got {raw!r}")
