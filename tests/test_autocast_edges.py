@@ -604,3 +604,119 @@ def test_a_custom_jvp_on_complex_values_keeps_their_tangents_under_autocast():
   for g, r in zip(got, want):
     assert g.dtype == jnp.complex64
     np.testing.assert_allclose(g, r, rtol=1e-6)
+
+
+class _Normed:
+  """A module whose method updates batch statistics (a bound method is the function)."""
+
+  def __init__(self):
+    self.norm = _batch_norm()
+
+  def forward(self, x, *, shift=0.0):
+    return self.norm(x) + shift
+
+
+def _normed():
+  from flax import nnx
+  return type("Normed", (_Normed, nnx.Module), {})()
+
+
+def test_an_autocast_bound_method_of_an_nnx_module_updates_its_statistics_as_without_it():
+  reference = _normed()
+  want = reference.forward(XB, shift=1.0)
+  model = _normed()
+  got = jaxamp.autocast(model.forward, jnp.bfloat16)(XB, shift=1.0)
+  np.testing.assert_allclose(got, want, rtol=1e-2)
+  np.testing.assert_array_equal(model.norm.mean[...], reference.norm.mean[...])
+
+
+def test_an_nnx_function_with_keyword_arguments_and_its_trace_cached():
+  model, calls = _batch_norm(), []
+
+  def loss(m, x, *, weight):
+    calls.append(None)
+    return jnp.sum(m(x)) * weight
+
+  f = jaxamp.autocast(loss, jnp.bfloat16)
+  reference = _batch_norm()
+  for _ in range(2):
+    np.testing.assert_allclose(f(model, XB, weight=2.0), loss(reference, XB, weight=2.0),
+                               rtol=1e-2, atol=1e-2)
+  np.testing.assert_array_equal(model.mean[...], reference.mean[...])
+  assert len(calls) == 3  # traced once under autocast (the third is the reference's)
+
+
+def test_autocast_of_a_builtin_function_with_nnx_imported():
+  import operator
+
+  from flax import nnx  # noqa: F401  (autocast looks for NNX objects once it is imported)
+  out = jaxamp.autocast(operator.matmul)(jnp.asarray(X), jnp.asarray(Y))
+  assert out.dtype == jnp.float16
+  np.testing.assert_array_equal(out, X.astype(np.float16) @ Y.astype(np.float16))
+
+
+def test_autocast_of_a_partial_without_nnx_objects_with_nnx_imported():
+  from flax import nnx  # noqa: F401
+  f = jaxamp.autocast(functools.partial(jnp.matmul, jnp.asarray(X)), jnp.bfloat16)
+  out = f(jnp.asarray(Y))
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out, (jnp.asarray(X, jnp.bfloat16) @ jnp.asarray(Y, jnp.bfloat16)))
+
+
+def _linear():
+  from flax import nnx
+  return nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+
+def test_a_function_closing_over_an_nnx_module_is_refused_with_the_remedy():
+  model = _linear()
+  with pytest.raises(ValueError, match=r"^autocast\('<lambda>'\) reads the NNX object Linear "
+                     r"from outside its arguments: .*Pass it as an argument instead"):
+    jaxamp.autocast(lambda x: model(x))(XB)
+
+
+def test_a_closed_over_nnx_module_is_refused_after_an_unset_closure_variable():
+  model = _linear()
+
+  def loss(x, verbose=False):
+    if verbose:
+      a_report(x)
+    return jnp.sum(model(x))
+
+  with pytest.raises(ValueError, match=r"^autocast\('loss'\) reads the NNX object Linear"):
+    jaxamp.autocast(loss)(XB)
+
+  def a_report(x):  # bound after the call: an empty closure cell, before model's
+    return x
+
+
+_GLOBAL_MODEL = None
+
+
+def _reads_the_global_model(x):
+  return jnp.sum(_GLOBAL_MODEL(x))
+
+
+def test_a_function_reading_an_nnx_module_from_its_globals_is_refused():
+  global _GLOBAL_MODEL
+  _GLOBAL_MODEL = _linear()
+  try:
+    with pytest.raises(ValueError, match=r"^autocast\('_reads_the_global_model'\) reads the "
+                       r"NNX object Linear from outside its arguments"):
+      jaxamp.autocast(_reads_the_global_model)(XB)
+  finally:
+    _GLOBAL_MODEL = None
+
+
+def _returns_the_module(m, x, scale=1.0):
+  return m, x * scale
+
+
+def test_a_function_returning_an_nnx_module_is_refused_naming_it():
+  with pytest.raises(ValueError, match=r"^_returns_the_module returns an NNX object; under "
+                     r"jaxamp.autocast a function may update"):
+    jaxamp.autocast(_returns_the_module)(_linear(), XB)
+  with pytest.raises(ValueError, match=r"^partial returns an NNX object"):
+    jaxamp.autocast(functools.partial(_returns_the_module, scale=2.0))(_linear(), XB)
+  with pytest.raises(ValueError, match=r"^<lambda> returns an NNX object"):
+    jaxamp.autocast(lambda x, m: [(x, {"m": m})])(XB, _linear())
