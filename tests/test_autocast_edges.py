@@ -720,3 +720,37 @@ def test_a_function_returning_an_nnx_module_is_refused_naming_it():
     jaxamp.autocast(functools.partial(_returns_the_module, scale=2.0))(_linear(), XB)
   with pytest.raises(ValueError, match=r"^<lambda> returns an NNX object"):
     jaxamp.autocast(lambda x, m: [(x, {"m": m})])(XB, _linear())
+
+
+def _nested_jits(jaxpr, found):
+  """(name, keep_unused, inline, in_shardings, out_shardings) of the jit calls in a jaxpr."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("jit", "pjit"):
+      p = eqn.params
+      found.append((p["name"], p["keep_unused"], p["inline"], p["in_shardings"],
+                    p["out_shardings"]))
+      _nested_jits(p["jaxpr"].jaxpr, found)
+  return found
+
+
+def test_inner_jits_keep_their_shardings_and_options_under_autocast():
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  rows = NamedSharding(jax.make_mesh((1,), ("rows",)), PartitionSpec("rows"))
+
+  def gram(x, unused):
+    return x @ x
+
+  def f(x, y):
+    kept = jax.jit(gram, in_shardings=(rows, None), out_shardings=rows, keep_unused=True)
+    doubled = jax.jit(lambda a: a * 2.0, out_shardings=rows, inline=True)(x)
+    return kept(x, y) + jax.jit(jnp.tanh)(doubled)
+
+  x = jnp.asarray(X)
+  want = _nested_jits(jax.make_jaxpr(f)(x, x).jaxpr, [])
+  (outer, *got) = _nested_jits(jax.make_jaxpr(jaxamp.autocast(f))(x, x).jaxpr, [])
+  assert outer[0] == "autocast_f"
+  assert got == want
+  out = jax.jit(jaxamp.autocast(f))(x, x)
+  np.testing.assert_allclose(out, f(x, x), rtol=1e-2)
+  assert out.sharding.is_equivalent_to(jax.jit(f)(x, x).sharding, 2)
