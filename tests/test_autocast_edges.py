@@ -754,3 +754,21 @@ def test_inner_jits_keep_their_shardings_and_options_under_autocast():
   out = jax.jit(jaxamp.autocast(f))(x, x)
   np.testing.assert_allclose(out, f(x, x), rtol=1e-2)
   assert out.sharding.is_equivalent_to(jax.jit(f)(x, x).sharding, 2)
+
+
+def test_a_python_bool_predicate_selects_under_autocast():
+  f = lambda x: jax.lax.select_n(True, x, x @ x)
+  out = jaxamp.autocast(f)(jnp.asarray(X))
+  assert out.dtype == jnp.float32  # float32 x meets the float16 product: the widest
+  np.testing.assert_array_equal(out, (X.astype(np.float16) @ X.astype(np.float16)).astype(np.float32))
+
+
+def test_a_weakly_typed_value_computed_in_the_function_does_not_widen_a_half_result():
+  # jnp.sqrt(n * 4.0) is weakly typed, as a Python scalar is: lax.div keeps x @ x's float16.
+  def f(x, n):
+    return jax.lax.div(x @ x, jnp.sqrt(n * 4.0))
+
+  for n in (1.0, 1):
+    out = jax.jit(jaxamp.autocast(f), static_argnums=1)(jnp.asarray(X), n)
+    assert out.dtype == jnp.float16
+    np.testing.assert_array_equal(out, X.astype(np.float16) @ X.astype(np.float16) / 2)
