@@ -772,3 +772,35 @@ def test_a_weakly_typed_value_computed_in_the_function_does_not_widen_a_half_res
     out = jax.jit(jaxamp.autocast(f), static_argnums=1)(jnp.asarray(X), n)
     assert out.dtype == jnp.float16
     np.testing.assert_array_equal(out, X.astype(np.float16) @ X.astype(np.float16) / 2)
+
+
+def _structured(jaxpr, found):
+  """The options of the checkpoint, scan and shard_map calls in a jaxpr, through jit calls."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("remat2", "checkpoint", "scan", "shard_map"):
+      found.append((eqn.primitive.name,
+                    {k: v for k, v in eqn.params.items() if "jaxpr" not in k}))
+    if eqn.primitive.name in ("jit", "pjit"):
+      _structured(eqn.params["jaxpr"].jaxpr, found)
+  return found
+
+
+def test_checkpoint_scan_and_shard_map_keep_their_options_under_autocast():
+  from jax.sharding import PartitionSpec
+
+  mesh = jax.make_mesh((1, 1), ("data", "model"))
+
+  def f(x):
+    y = jax.checkpoint(lambda a: jnp.sin(a @ a), prevent_cse=False,
+                       policy=jax.checkpoint_policies.dots_saveable)(x)
+    c, _ = jax.lax.scan(lambda c, _: (c @ c, None), y, length=4, unroll=2)
+    return jax.shard_map(lambda a: a @ a, mesh=mesh, in_specs=PartitionSpec("data"),
+                         out_specs=PartitionSpec("data"), axis_names={"data"},
+                         check_vma=False)(c)
+
+  x = jnp.asarray(X) / 4
+  want = _structured(jax.make_jaxpr(f)(x).jaxpr, [])
+  assert [name for name, _ in want] == ["remat2", "scan", "shard_map"]
+  assert _structured(jax.make_jaxpr(jaxamp.autocast(f))(x).jaxpr, []) == want
+  np.testing.assert_allclose(jaxamp.autocast(f, jnp.bfloat16)(x), jax.jit(f)(x), rtol=5e-2,
+                             atol=1e-3)
