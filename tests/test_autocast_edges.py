@@ -804,3 +804,14 @@ def test_checkpoint_scan_and_shard_map_keep_their_options_under_autocast():
   assert _structured(jax.make_jaxpr(jaxamp.autocast(f))(x).jaxpr, []) == want
   np.testing.assert_allclose(jaxamp.autocast(f, jnp.bfloat16)(x), jax.jit(f)(x), rtol=5e-2,
                              atol=1e-3)
+
+
+@pytest.mark.parametrize("int_dtype", [jnp.int8, jnp.int16])
+def test_a_matmul_with_integer_weights_casts_only_its_floating_input(int_dtype):
+  # Quantized weights: integers are never cast, and the product returns the low dtype.
+  w = np.array([[1, -2], [3, 4]], int_dtype)
+  f = lambda x, w: jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+  out = jaxamp.autocast(f)(jnp.asarray(X), jnp.asarray(w))
+  assert out.dtype == jnp.float16
+  np.testing.assert_array_equal(out, (X.astype(np.float16) @ w.astype(np.float16)))
