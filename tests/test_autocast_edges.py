@@ -815,3 +815,19 @@ def test_a_matmul_with_integer_weights_casts_only_its_floating_input(int_dtype):
   out = jaxamp.autocast(f)(jnp.asarray(X), jnp.asarray(w))
   assert out.dtype == jnp.float16
   np.testing.assert_array_equal(out, (X.astype(np.float16) @ w.astype(np.float16)))
+
+
+def _dots(jaxpr, found):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append((eqn.params["preferred_element_type"], [v.aval.dtype for v in eqn.invars]))
+    if eqn.primitive.name in ("jit", "pjit"):
+      _dots(eqn.params["jaxpr"].jaxpr, found)
+  return found
+
+
+def test_a_matmul_under_autocast_is_the_one_jnp_emits_for_float16_operands():
+  f = lambda x, y: x @ y
+  x = jnp.asarray(X)
+  want = _dots(jax.make_jaxpr(f)(x.astype(jnp.float16), x.astype(jnp.float16)).jaxpr, [])
+  assert _dots(jax.make_jaxpr(jaxamp.autocast(f))(x, x).jaxpr, []) == want
