@@ -604,3 +604,230 @@ def test_a_custom_jvp_on_complex_values_keeps_their_tangents_under_autocast():
   for g, r in zip(got, want):
     assert g.dtype == jnp.complex64
     np.testing.assert_allclose(g, r, rtol=1e-6)
+
+
+class _Normed:
+  """A module whose method updates batch statistics (a bound method is the function)."""
+
+  def __init__(self):
+    self.norm = _batch_norm()
+
+  def forward(self, x, *, shift=0.0):
+    return self.norm(x) + shift
+
+
+def _normed():
+  from flax import nnx
+  return type("Normed", (_Normed, nnx.Module), {})()
+
+
+def test_an_autocast_bound_method_of_an_nnx_module_updates_its_statistics_as_without_it():
+  reference = _normed()
+  want = reference.forward(XB, shift=1.0)
+  model = _normed()
+  got = jaxamp.autocast(model.forward, jnp.bfloat16)(XB, shift=1.0)
+  np.testing.assert_allclose(got, want, rtol=1e-2)
+  np.testing.assert_array_equal(model.norm.mean[...], reference.norm.mean[...])
+
+
+def test_an_nnx_function_with_keyword_arguments_and_its_trace_cached():
+  model, calls = _batch_norm(), []
+
+  def loss(m, x, *, weight):
+    calls.append(None)
+    return jnp.sum(m(x)) * weight
+
+  f = jaxamp.autocast(loss, jnp.bfloat16)
+  reference = _batch_norm()
+  for _ in range(2):
+    np.testing.assert_allclose(f(model, XB, weight=2.0), loss(reference, XB, weight=2.0),
+                               rtol=1e-2, atol=1e-2)
+  np.testing.assert_array_equal(model.mean[...], reference.mean[...])
+  assert len(calls) == 3  # traced once under autocast (the third is the reference's)
+
+
+def test_autocast_of_a_builtin_function_with_nnx_imported():
+  import operator
+
+  from flax import nnx  # noqa: F401  (autocast looks for NNX objects once it is imported)
+  out = jaxamp.autocast(operator.matmul)(jnp.asarray(X), jnp.asarray(Y))
+  assert out.dtype == jnp.float16
+  np.testing.assert_array_equal(out, X.astype(np.float16) @ Y.astype(np.float16))
+
+
+def test_autocast_of_a_partial_without_nnx_objects_with_nnx_imported():
+  from flax import nnx  # noqa: F401
+  f = jaxamp.autocast(functools.partial(jnp.matmul, jnp.asarray(X)), jnp.bfloat16)
+  out = f(jnp.asarray(Y))
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out, (jnp.asarray(X, jnp.bfloat16) @ jnp.asarray(Y, jnp.bfloat16)))
+
+
+def _linear():
+  from flax import nnx
+  return nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+
+def test_a_function_closing_over_an_nnx_module_is_refused_with_the_remedy():
+  model = _linear()
+  with pytest.raises(ValueError, match=r"^autocast\('<lambda>'\) reads the NNX object Linear "
+                     r"from outside its arguments: .*Pass it as an argument instead"):
+    jaxamp.autocast(lambda x: model(x))(XB)
+
+
+def test_a_closed_over_nnx_module_is_refused_after_an_unset_closure_variable():
+  model = _linear()
+
+  def loss(x, verbose=False):
+    if verbose:
+      a_report(x)
+    return jnp.sum(model(x))
+
+  with pytest.raises(ValueError, match=r"^autocast\('loss'\) reads the NNX object Linear"):
+    jaxamp.autocast(loss)(XB)
+
+  def a_report(x):  # bound after the call: an empty closure cell, before model's
+    return x
+
+
+_GLOBAL_MODEL = None
+
+
+def _reads_the_global_model(x):
+  return jnp.sum(_GLOBAL_MODEL(x))
+
+
+def test_a_function_reading_an_nnx_module_from_its_globals_is_refused():
+  global _GLOBAL_MODEL
+  _GLOBAL_MODEL = _linear()
+  try:
+    with pytest.raises(ValueError, match=r"^autocast\('_reads_the_global_model'\) reads the "
+                       r"NNX object Linear from outside its arguments"):
+      jaxamp.autocast(_reads_the_global_model)(XB)
+  finally:
+    _GLOBAL_MODEL = None
+
+
+def _returns_the_module(m, x, scale=1.0):
+  return m, x * scale
+
+
+def test_a_function_returning_an_nnx_module_is_refused_naming_it():
+  with pytest.raises(ValueError, match=r"^_returns_the_module returns an NNX object; under "
+                     r"jaxamp.autocast a function may update"):
+    jaxamp.autocast(_returns_the_module)(_linear(), XB)
+  with pytest.raises(ValueError, match=r"^partial returns an NNX object"):
+    jaxamp.autocast(functools.partial(_returns_the_module, scale=2.0))(_linear(), XB)
+  with pytest.raises(ValueError, match=r"^<lambda> returns an NNX object"):
+    jaxamp.autocast(lambda x, m: [(x, {"m": m})])(XB, _linear())
+
+
+def _nested_jits(jaxpr, found):
+  """(name, keep_unused, inline, in_shardings, out_shardings) of the jit calls in a jaxpr."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("jit", "pjit"):
+      p = eqn.params
+      found.append((p["name"], p["keep_unused"], p["inline"], p["in_shardings"],
+                    p["out_shardings"]))
+      _nested_jits(p["jaxpr"].jaxpr, found)
+  return found
+
+
+def test_inner_jits_keep_their_shardings_and_options_under_autocast():
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  rows = NamedSharding(jax.make_mesh((1,), ("rows",)), PartitionSpec("rows"))
+
+  def gram(x, unused):
+    return x @ x
+
+  def f(x, y):
+    kept = jax.jit(gram, in_shardings=(rows, None), out_shardings=rows, keep_unused=True)
+    doubled = jax.jit(lambda a: a * 2.0, out_shardings=rows, inline=True)(x)
+    return kept(x, y) + jax.jit(jnp.tanh)(doubled)
+
+  x = jnp.asarray(X)
+  want = _nested_jits(jax.make_jaxpr(f)(x, x).jaxpr, [])
+  (outer, *got) = _nested_jits(jax.make_jaxpr(jaxamp.autocast(f))(x, x).jaxpr, [])
+  assert outer[0] == "autocast_f"
+  assert got == want
+  out = jax.jit(jaxamp.autocast(f))(x, x)
+  np.testing.assert_allclose(out, f(x, x), rtol=1e-2)
+  assert out.sharding.is_equivalent_to(jax.jit(f)(x, x).sharding, 2)
+
+
+def test_a_python_bool_predicate_selects_under_autocast():
+  f = lambda x: jax.lax.select_n(True, x, x @ x)
+  out = jaxamp.autocast(f)(jnp.asarray(X))
+  assert out.dtype == jnp.float32  # float32 x meets the float16 product: the widest
+  np.testing.assert_array_equal(out, (X.astype(np.float16) @ X.astype(np.float16)).astype(np.float32))
+
+
+def test_a_weakly_typed_value_computed_in_the_function_does_not_widen_a_half_result():
+  # jnp.sqrt(n * 4.0) is weakly typed, as a Python scalar is: lax.div keeps x @ x's float16.
+  def f(x, n):
+    return jax.lax.div(x @ x, jnp.sqrt(n * 4.0))
+
+  for n in (1.0, 1):
+    out = jax.jit(jaxamp.autocast(f), static_argnums=1)(jnp.asarray(X), n)
+    assert out.dtype == jnp.float16
+    np.testing.assert_array_equal(out, X.astype(np.float16) @ X.astype(np.float16) / 2)
+
+
+def _structured(jaxpr, found):
+  """The options of the checkpoint, scan and shard_map calls in a jaxpr, through jit calls."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("remat2", "checkpoint", "scan", "shard_map"):
+      found.append((eqn.primitive.name,
+                    {k: v for k, v in eqn.params.items() if "jaxpr" not in k}))
+    if eqn.primitive.name in ("jit", "pjit"):
+      _structured(eqn.params["jaxpr"].jaxpr, found)
+  return found
+
+
+def test_checkpoint_scan_and_shard_map_keep_their_options_under_autocast():
+  from jax.sharding import PartitionSpec
+
+  mesh = jax.make_mesh((1, 1), ("data", "model"))
+
+  def f(x):
+    y = jax.checkpoint(lambda a: jnp.sin(a @ a), prevent_cse=False,
+                       policy=jax.checkpoint_policies.dots_saveable)(x)
+    c, _ = jax.lax.scan(lambda c, _: (c @ c, None), y, length=4, unroll=2)
+    return jax.shard_map(lambda a: a @ a, mesh=mesh, in_specs=PartitionSpec("data"),
+                         out_specs=PartitionSpec("data"), axis_names={"data"},
+                         check_vma=False)(c)
+
+  x = jnp.asarray(X) / 4
+  want = _structured(jax.make_jaxpr(f)(x).jaxpr, [])
+  assert [name for name, _ in want] == ["remat2", "scan", "shard_map"]
+  assert _structured(jax.make_jaxpr(jaxamp.autocast(f))(x).jaxpr, []) == want
+  np.testing.assert_allclose(jaxamp.autocast(f, jnp.bfloat16)(x), jax.jit(f)(x), rtol=5e-2,
+                             atol=1e-3)
+
+
+@pytest.mark.parametrize("int_dtype", [jnp.int8, jnp.int16])
+def test_a_matmul_with_integer_weights_casts_only_its_floating_input(int_dtype):
+  # Quantized weights: integers are never cast, and the product returns the low dtype.
+  w = np.array([[1, -2], [3, 4]], int_dtype)
+  f = lambda x, w: jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+  out = jaxamp.autocast(f)(jnp.asarray(X), jnp.asarray(w))
+  assert out.dtype == jnp.float16
+  np.testing.assert_array_equal(out, (X.astype(np.float16) @ w.astype(np.float16)))
+
+
+def _dots(jaxpr, found):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append((eqn.params["preferred_element_type"], [v.aval.dtype for v in eqn.invars]))
+    if eqn.primitive.name in ("jit", "pjit"):
+      _dots(eqn.params["jaxpr"].jaxpr, found)
+  return found
+
+
+def test_a_matmul_under_autocast_is_the_one_jnp_emits_for_float16_operands():
+  f = lambda x, y: x @ y
+  x = jnp.asarray(X)
+  want = _dots(jax.make_jaxpr(f)(x.astype(jnp.float16), x.astype(jnp.float16)).jaxpr, [])
+  assert _dots(jax.make_jaxpr(jaxamp.autocast(f))(x, x).jaxpr, []) == want
