@@ -9,6 +9,7 @@ program that asks for strict dtype promotion (the suite's).
 import functools
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -831,3 +832,51 @@ def test_a_matmul_under_autocast_is_the_one_jnp_emits_for_float16_operands():
   x = jnp.asarray(X)
   want = _dots(jax.make_jaxpr(f)(x.astype(jnp.float16), x.astype(jnp.float16)).jaxpr, [])
   assert _dots(jax.make_jaxpr(jaxamp.autocast(f))(x, x).jaxpr, []) == want
+
+
+# ---- integer and complex operands beside floating ones
+
+
+def _rows_times_two(symbolic_zeros):
+  """A custom_jvp gather whose rule records the tangent it is given for the indices."""
+  seen = set()
+
+  @jax.custom_jvp
+  def rows(table, idx):
+    return table[idx] * 2
+
+  def rows_jvp(primals, tangents):
+    (table, idx), (t_table, t_idx) = primals, tangents
+    seen.add((isinstance(t_idx, jax.custom_derivatives.SymbolicZero), jnp.dtype(t_idx.dtype)))
+    return rows(table, idx), t_table[idx] * 2
+
+  rows.defjvp(rows_jvp, symbolic_zeros=symbolic_zeros)
+  return rows, seen
+
+
+@pytest.mark.parametrize("symbolic_zeros", [False, True])
+def test_a_custom_jvp_rule_gets_an_integer_inputs_tangent_as_it_would_without_autocast(
+    symbolic_zeros):
+  # JAX gives a rule float0 zeros for an integer input, or a symbolic zero if it asked for them.
+  rows, seen = _rows_times_two(symbolic_zeros)
+  idx = jnp.array([1, 0, 1])
+  f = lambda x, w: rows(x @ w, idx)
+  x, w = jnp.asarray(X), jnp.asarray(Y)
+  _, want_t = jax.jvp(f, (x, w), (x, w))
+  want = set(seen)
+  seen.clear()
+  _, t = jax.jvp(jaxamp.autocast(f), (x, w), (x, w))
+  assert want == {(symbolic_zeros, jnp.dtype(jax.dtypes.float0))}
+  assert seen == want
+  assert t.dtype == jnp.float16
+  np.testing.assert_allclose(t, want_t, rtol=1e-2, atol=1e-2)
+
+
+def test_a_matmul_of_a_complex_operand_with_a_real_one_stays_complex():
+  # lax.dot_general takes mixed operands; autocast halves the real one and keeps the complex.
+  z = jnp.asarray(np.array([[1 + 2j, 3j], [0.5, -1j]], np.complex64))
+  matmul = lambda z, w: lax.dot_general(z, w, (((1,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.complex64)
+  got = jaxamp.autocast(matmul)(z, jnp.asarray(Y))
+  assert got.dtype == jnp.complex64
+  np.testing.assert_array_equal(got, matmul(z, jnp.asarray(Y, jnp.float16)))

@@ -130,16 +130,29 @@ def test_complex_gradients_accumulate_both_parts():
   np.testing.assert_array_equal(updates["w"], -(grads[0] + grads[1]) / 2)
 
 
-def test_with_axis_name_one_device_overflowing_skips_the_step_on_every_device():
-  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, axis_name="d")
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_with_axis_name_one_device_overflowing_skips_the_step_on_every_device(dynamic):
+  inner = optax.sgd(1.0)
+  tx = (jaxamp.dynamic_loss_scale(inner, init_scale=4.0, axis_name="d") if dynamic
+        else jaxamp.static_loss_scale(inner, 4.0, axis_name="d"))
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
   grads = {"w": jnp.array([[4.0, 8.0], [jnp.inf, 4.0]])}  # device 1 overflows
   step = jax.vmap(tx.update, in_axes=(0, None, None), axis_name="d")
   updates, new = jax.jit(step)(grads, state, params)
   np.testing.assert_array_equal(updates["w"], np.zeros((2, 2)))
-  np.testing.assert_array_equal(new.scale, [2.0, 2.0])
+  np.testing.assert_array_equal(new.scale, [2.0, 2.0] if dynamic else [4.0, 4.0])
   np.testing.assert_array_equal(new.skipped, [True, True])
+  np.testing.assert_array_equal(new.skipped_steps, [1, 1])
+
+
+@pytest.mark.parametrize("make", [jaxamp.dynamic_loss_scale,
+                                  lambda tx, **kw: jaxamp.static_loss_scale(tx, 2.0, **kw)],
+                         ids=["dynamic", "static"])
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (1.5, TypeError)])
+def test_a_bad_stall_after_is_refused_by_name(make, bad, error):
+  with pytest.raises(error, match=r"^stall_after must be an int"):
+    make(optax.sgd(1.0), stall_after=bad)
 
 
 def test_min_scale_equal_to_max_scale_pins_the_scale():

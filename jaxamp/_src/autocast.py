@@ -200,7 +200,7 @@ def _eval_low(eqn, invals, cfg: _Config):
   cast = _promote(cast, [False] * len(cast))
   params = dict(eqn.params)
   if params.get("preferred_element_type") is not None and all(
-      _dtype_of(v) == low for v in cast if _is_float(_dtype_of(v))):
+      _dtype_of(v) == low for v in cast if jax.dtypes.issubdtype(_dtype_of(v), jnp.inexact)):
     # As jnp.matmul emits for half operands: the accumulation type is the backend's
     # (float32 on GPU, TPU and CPU), and the backward products stay in half precision.
     params["preferred_element_type"] = low
@@ -301,8 +301,10 @@ def _custom_jvp(eqn, invals, run):
   parts = interp.custom_jvp_parts(eqn)
   if parts.num_consts:
     raise _closed_over("custom_jvp")
-  # The inputs with tangents: floating and complex ones (the others' are float0 zeros).
-  floats = [jax.dtypes.issubdtype(a.dtype, jnp.inexact) for a in parts.call.in_avals]
+  # The tangents the rule sees as symbolic zeros: none, as in JAX, unless it asked for them;
+  # then those of the inputs that have no tangent space (integer, boolean: float0).
+  in_zeros = [parts.symbolic_zeros and not jax.dtypes.issubdtype(a.dtype, jnp.inexact)
+              for a in parts.call.in_avals]
 
   @jax.custom_jvp
   def fn(*xs):
@@ -311,8 +313,8 @@ def _custom_jvp(eqn, invals, run):
   @fn.defjvp
   def fn_jvp(primals, tangents):
     outs = fn(*primals)
-    jvp_jaxpr, out_zeros = parts.jvp([not f for f in floats])
-    nonzero = [t for t, f in zip(tangents, floats) if f]
+    jvp_jaxpr, out_zeros = parts.jvp(in_zeros)
+    nonzero = [t for t, zero in zip(tangents, in_zeros) if not zero]
     res = _eval_closed(jvp_jaxpr, [*primals, *nonzero], run)
     nz = iter(res[len(out_zeros):])
     tangents_out = []

@@ -268,6 +268,7 @@ class CustomJvpParts(NamedTuple):
   call: ClosedJaxpr
   num_consts: int
   jvp: Callable[[Sequence[bool]], tuple]  # in_zeros -> (closed jvp jaxpr, out_zeros)
+  symbolic_zeros: bool  # the rule sees symbolic zero tangents (else instantiated zeros)
 
 
 def custom_jvp_parts(eqn: Any) -> CustomJvpParts:
@@ -283,7 +284,8 @@ def custom_jvp_parts(eqn: Any) -> CustomJvpParts:
     jaxpr, consts, out_zeros = fun.call_wrapped(*in_zeros)
     return _close_with(jaxpr, consts), list(out_zeros)
 
-  return CustomJvpParts(closed(param(eqn, "call_jaxpr")), int(param(eqn, "num_consts")), jvp)
+  return CustomJvpParts(closed(param(eqn, "call_jaxpr")), int(param(eqn, "num_consts")), jvp,
+                        bool(param(eqn, "symbolic_zeros")))
 
 
 class CustomVjpParts(NamedTuple):
