@@ -200,3 +200,89 @@ def test_complex_gradients_accumulate_with_their_imaginary_parts():
   want = -np.float32((2.0**24 + 3) / 4)
   assert want != -(2.0**22)
   np.testing.assert_array_equal(got, np.asarray([want * (1 + 1j)], np.complex64))
+
+
+# ---- inside shard_map (a one-device mesh: JAX types what varies over its axis all the same)
+
+
+def _scaled_by_value():
+  """An inner transformation that reads an extra argument, as optax's line searches do."""
+  return optax.GradientTransformationExtraArgs(
+      lambda params: optax.EmptyState(),
+      lambda updates, state, params=None, *, value, **extra: (
+          jax.tree.map(lambda g: -value * g, updates), state))
+
+
+@pytest.mark.parametrize("case", ["replicated", "per_device_params", "varying_extra_arg",
+                                  "per_shard_decision"])
+def test_inside_shard_map_the_updates_vary_over_what_they_are_computed_from(case):
+  """Each case declares, through out_specs, the axes the updates vary over, as a user would:
+
+  all-reduced gradients with replicated parameters give replicated updates; per-device
+  parameters (weight decay reads them), a per-device extra argument, or gradients each shard
+  decides on alone (axis_name=()) give per-device updates, also on a dropped window.
+  """
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  P = jax.sharding.PartitionSpec
+  momentum = optax.sgd(0.5, momentum=0.9)
+  inner = {"replicated": momentum,
+           "per_device_params": optax.chain(optax.add_decayed_weights(0.1), momentum),
+           "varying_extra_arg": _scaled_by_value(), "per_shard_decision": momentum}[case]
+  axis_name = () if case == "per_shard_decision" else "data"
+  tx = jaxamp.accumulate_gradients(inner, 2, axis_name=axis_name)
+  plain = jaxamp.accumulate_gradients(inner, 2)
+  params = {"w": jnp.array([1.0, 2.0])}
+  state, plain_state = tx.init(params), plain.init(params)
+  # The accumulator holds each device's partial sums; the momentum is per device too where
+  # the updates are.
+  per_device = lambda tree: jax.tree.map(lambda _: P("data"), tree)  # noqa: E731
+  specs = jax.tree.map(lambda _: P(), state)._replace(acc_grads=per_device(state.acc_grads))
+  if case in ("per_device_params", "per_shard_decision"):
+    specs = specs._replace(inner_state=per_device(state.inner_state))
+  param_spec = P("data") if case == "per_device_params" else P()
+  update_spec = P() if case == "replicated" else P("data")
+  extra = lambda v: {"value": v} if case == "varying_extra_arg" else {}  # noqa: E731
+  step = jax.jit(jax.shard_map(
+      lambda p, s, g, v: tx.update(g, s, p, **extra(v[0])), mesh=mesh,
+      in_specs=(param_spec, specs, P("data"), P("data")), out_specs=(update_spec, specs)))
+  for g in ([1.0, 3.0], [np.inf, 1.0], [2.0, 2.0], [1.0, 1.0], [0.5, -1.0], [2.0, 2.0]):
+    grads, value = {"w": jnp.array(g)}, jnp.array([0.5])
+    updates, state = step(params, state, grads, value)
+    want, plain_state = plain.update(grads, plain_state, params, **extra(value[0]))
+    np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-6)
+  assert int(state.skipped_windows) == int(plain_state.skipped_windows) == 1
+
+
+@pytest.mark.parametrize("name, make", [
+    ("accumulate_gradients", lambda: jaxamp.accumulate_gradients(optax.sgd(0.1), 2)),
+    ("dynamic_loss_scale", lambda: jaxamp.dynamic_loss_scale(optax.sgd(0.1))),
+    ("static_loss_scale", lambda: jaxamp.static_loss_scale(optax.sgd(0.1), 8.0)),
+])
+def test_a_transformation_initialized_on_flax_fp8_variables_says_which_it_is(name, make):
+  variables = {"params": {"w": jnp.ones(2)},
+               "_overwrite_with_gradient": {"amax": jnp.zeros(4)}}
+  with pytest.raises(ValueError, match=rf"^{name} was initialized on parameters holding "
+                                       r"Flax's fp8 collection '_overwrite_with_gradient'"):
+    make().init(variables)
+
+
+def test_an_accumulator_dtype_is_refused_by_name():
+  with pytest.raises(ValueError, match=r"^accumulator_dtype must be None or a floating-point dtype, got int32"):
+    jaxamp.accumulate_gradients(optax.sgd(0.1), 2, accumulator_dtype=jnp.int32)
+
+
+def test_integer_leaves_keep_their_dtype_and_are_summed_whatever_the_accumulator_dtype():
+  # An integer leaf (a counter kept among the parameters) has no mean to take: its window
+  # sum passes through, in its own dtype, beside float leaves averaged in accumulator_dtype.
+  identity = optax.GradientTransformation(lambda p: optax.EmptyState(),
+                                          lambda u, s, p=None: (u, s))
+  tx = jaxamp.accumulate_gradients(identity, 2, accumulator_dtype=jnp.float32)
+  params = {"w": jnp.zeros(2, jnp.bfloat16), "n": jnp.zeros(2, jnp.int32)}
+  state = tx.init(params)
+  assert state.acc_grads["n"].dtype == jnp.int32 and state.acc_grads["w"].dtype == jnp.float32
+  for n in (3, 4):
+    updates, state = tx.update({"w": jnp.full(2, n, jnp.bfloat16),
+                                "n": jnp.full(2, n, jnp.int32)}, state)
+  assert updates["n"].dtype == jnp.int32 and updates["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(updates["n"], [7, 7])
+  np.testing.assert_array_equal(updates["w"], np.full(2, 3.5, np.float32))

@@ -148,7 +148,9 @@ def accumulate_gradients(
       complex64. ``inner`` receives, and the updates come back in, the
       gradients' own dtypes.
     axis_name: mapped axis name (or tuple of names) to all-reduce the
-      accumulated gradients over, once per window.
+      accumulated gradients over, once per window; ``()`` inside ``shard_map``
+      lets each shard keep its own window and decide on its own whether it is
+      finite.
     raise_past_end: with ``total_steps``, raise an error from the host on a
       call past the end (True), or only record it in ``micro_step`` and keep
       the step free of host callbacks (False).
@@ -300,7 +302,10 @@ def accumulate_gradients(
       if scaler_inside:
         out = step(source, inner_state, params)
       else:
-        window_finite = finite.all_finite(form(*source))
+        # The mean is already the same on every device, unless axis_name=() asked each shard
+        # to decide on its own.
+        per_shard = axis_name is not None and not sharding.axis_tuple(axis_name)
+        window_finite = finite.all_finite(form(*source), axis_name=() if per_shard else None)
         out = lax.cond(window_finite, step, drop, source, inner_state, params)
       return out + (jnp.ones([], jnp.bool_),)
 
