@@ -7,6 +7,7 @@ program that asks for strict dtype promotion (the suite's).
 """
 
 import functools
+import warnings
 
 import jax
 from jax import lax
@@ -880,3 +881,41 @@ def test_a_matmul_of_a_complex_operand_with_a_real_one_stays_complex():
   got = jaxamp.autocast(matmul)(z, jnp.asarray(Y))
   assert got.dtype == jnp.complex64
   np.testing.assert_array_equal(got, matmul(z, jnp.asarray(Y, jnp.float16)))
+
+
+# ---- constructs autocast leaves at their traced dtypes
+
+
+def test_a_control_flow_primitive_turned_off_runs_at_its_traced_dtypes_without_a_warning():
+  def f(x, w):
+    def body(h, _):
+      return jnp.tanh(h @ w), None
+    return lax.scan(body, x, None, length=3)[0]
+
+  x, w = jnp.asarray(X), jnp.asarray(Y) / 8
+  want = jax.jit(f)(x, w)
+  # Autocast runs the body's products in float16 (the carry keeps its float32 type).
+  assert not np.array_equal(jaxamp.autocast(f)(x, w), want)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # an 'off' override says it is meant: no warning
+    off = jaxamp.autocast(f, overrides={"scan": "off"})(x, w)
+  assert off.dtype == jnp.float32
+  np.testing.assert_array_equal(off, want)
+
+
+def test_a_custom_jvp_closing_over_a_traced_value_warns_and_runs_at_its_traced_dtypes():
+  def f(x, w):
+    @jax.custom_jvp
+    def project(a):
+      return a @ w  # w is a traced value of the enclosing function
+
+    project.defjvp(lambda primals, tangents: (project(*primals), tangents[0] @ w))
+    return project(x)
+
+  x, w = jnp.asarray(X), jnp.asarray(Y)
+  with pytest.warns(jaxamp.AutocastWarning,
+                    match=r"cannot interpret 'custom_jvp_call' \(a custom_jvp function that "
+                          r"closes over traced values"):
+    got = jaxamp.autocast(f)(x, w)
+  assert got.dtype == jnp.float32
+  np.testing.assert_array_equal(got, jax.jit(f)(x, w))
