@@ -919,3 +919,31 @@ def test_a_custom_jvp_closing_over_a_traced_value_warns_and_runs_at_its_traced_d
     got = jaxamp.autocast(f)(x, w)
   assert got.dtype == jnp.float32
   np.testing.assert_array_equal(got, jax.jit(f)(x, w))
+
+
+def test_a_primitive_with_a_body_autocast_does_not_know_warns_and_runs_at_its_traced_dtypes():
+  def f(x, w):
+    return lax.custom_linear_solve(lambda v: v @ w, x, lambda matvec, b: b)
+
+  x, w = jnp.asarray(X), jnp.asarray(Y)
+  with pytest.warns(jaxamp.AutocastWarning,
+                    match=r"cannot interpret 'custom_linear_solve' \(autocast does not recurse "
+                          r"into its body\)"):
+    got = jaxamp.autocast(f)(x, w)
+  np.testing.assert_array_equal(got, jax.jit(f)(x, w))
+
+
+def test_integer_operations_keep_their_integer_dtype():
+  a = jnp.asarray([[3001, 2], [5, 4097]], jnp.int32)  # not representable in float16
+  got = jaxamp.autocast(lambda a, b: a @ b)(a, a)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(got, np.asarray(a) @ np.asarray(a))
+
+
+def test_float32_ops_of_a_bfloat16_model_run_in_float32():
+  # As torch's autocast: exp and log of 16-bit values (softmax, losses) are computed in float32.
+  x = jnp.asarray(X @ Y, jnp.bfloat16)
+  exp, log = jaxamp.autocast(lambda x: (jnp.exp(x), jnp.log(jnp.abs(x))), jnp.bfloat16)(x)
+  assert exp.dtype == log.dtype == jnp.float32
+  np.testing.assert_array_equal(exp, jnp.exp(x.astype(jnp.float32)))
+  np.testing.assert_array_equal(log, jnp.log(jnp.abs(x).astype(jnp.float32)))
