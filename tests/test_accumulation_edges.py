@@ -227,7 +227,7 @@ def test_inside_shard_map_the_updates_vary_over_what_they_are_computed_from(case
   momentum = optax.sgd(0.5, momentum=0.9)
   inner = {"replicated": momentum,
            "per_device_params": optax.chain(optax.add_decayed_weights(0.1), momentum),
-           "varying_extra_arg": _scaled_by_value(), "per_shard_decision": momentum}[case]
+           "varying_extra_arg": _scaled_by_value(), "per_shard_decision": optax.sgd(0.5)}[case]
   axis_name = () if case == "per_shard_decision" else "data"
   tx = jaxamp.accumulate_gradients(inner, 2, axis_name=axis_name)
   plain = jaxamp.accumulate_gradients(inner, 2)
@@ -237,7 +237,7 @@ def test_inside_shard_map_the_updates_vary_over_what_they_are_computed_from(case
   # the updates are.
   per_device = lambda tree: jax.tree.map(lambda _: P("data"), tree)  # noqa: E731
   specs = jax.tree.map(lambda _: P(), state)._replace(acc_grads=per_device(state.acc_grads))
-  if case in ("per_device_params", "per_shard_decision"):
+  if case == "per_device_params":
     specs = specs._replace(inner_state=per_device(state.inner_state))
   param_spec = P("data") if case == "per_device_params" else P()
   update_spec = P() if case == "replicated" else P("data")
@@ -286,3 +286,17 @@ def test_integer_leaves_keep_their_dtype_and_are_summed_whatever_the_accumulator
   assert updates["n"].dtype == jnp.int32 and updates["w"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(updates["n"], [7, 7])
   np.testing.assert_array_equal(updates["w"], np.full(2, 3.5, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_half_precision_accumulator_averages_the_short_last_window_in_its_own_dtype(dtype):
+  # Windows of 2, 2 and a last one of 1 (total_steps=5), summed and averaged in half precision.
+  tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 2, total_steps=5, accumulator_dtype=dtype)
+  state = tx.init({"w": jnp.zeros(2, dtype)})
+  grads = [1.0, 2.0, 3.0, 5.0, 7.0]
+  got = []
+  for g in grads:
+    updates, state = tx.update({"w": jnp.full(2, g, dtype)}, state)
+    assert updates["w"].dtype == dtype
+    got.append(float(updates["w"][0]))
+  assert got == [0.0, -1.5, 0.0, -4.0, -7.0]
