@@ -6,7 +6,9 @@ that meets a bfloat16 tensor), PyTorch promotes to float32
 program that asks for strict dtype promotion (the suite's).
 """
 
+import dataclasses
 import functools
+import sys
 import warnings
 
 import jax
@@ -947,3 +949,159 @@ def test_float32_ops_of_a_bfloat16_model_run_in_float32():
   assert exp.dtype == log.dtype == jnp.float32
   np.testing.assert_array_equal(exp, jnp.exp(x.astype(jnp.float32)))
   np.testing.assert_array_equal(log, jnp.log(jnp.abs(x).astype(jnp.float32)))
+
+
+# ---- the float32 rule widens only 16-bit (and narrower) floating inputs
+
+
+def _enable_x64(on=True):
+  # jax.enable_x64 on newer releases; jax.experimental.enable_x64 on the oldest supported.
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(on)
+  from jax import experimental  # pylint: disable=import-outside-toplevel
+  return experimental.enable_x64(on)
+
+
+def test_float32_rules_leave_float64_values_at_full_precision_under_x64():
+  # A float64 log-sum-exp (exp, reduce_sum, log: all float32 ops) keeps its float64 precision.
+  with _enable_x64():
+    x = jnp.asarray([0.0, 1e-9, 2e-9], jnp.float64)  # float32 would lose the small terms
+    lse = lambda x: jnp.log(jnp.sum(jnp.exp(x)))
+    got = jaxamp.autocast(lse)(x)
+    assert got.dtype == jnp.float64
+    assert float(got) != float(np.log(3.0))
+    np.testing.assert_array_equal(got, lse(x))
+
+
+def test_a_power_with_small_integer_exponents_differentiates_as_without_autocast():
+  # Polynomial features x**[0, 1, 2] with int8 degrees: the exponents stay integers, so the
+  # derivative of x**0 at x = 0 is 0 (a float exponent would give 0 * 0**-1 = nan).
+  def poly(x, degrees):
+    return jnp.sum(lax.pow(x[:, None], degrees[None, :]))
+
+  x, degrees = jnp.asarray([0.0, 1.0, 2.0]), jnp.arange(3, dtype=jnp.int8)
+  with jax.numpy_dtype_promotion("standard"):  # lax.pow's own derivative mixes the two dtypes
+    want = jax.grad(poly)(x, degrees)
+    got = jax.grad(jaxamp.autocast(poly))(x, degrees)
+  assert np.isfinite(want).all()
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(jaxamp.autocast(poly)(x, degrees), poly(x, degrees))
+
+
+# ---- calling an autocast function: options, static arguments, the trace cache
+
+
+def test_a_disabled_autocast_passes_keyword_arguments_through():
+  def loss(w, x, *, scale=1.0):
+    return jnp.sum(x @ w) * scale
+
+  w, x = jnp.asarray(Y), jnp.asarray(X)
+  np.testing.assert_array_equal(jaxamp.autocast(loss, enabled=False)(w, x, scale=2.0),
+                                loss(w, x, scale=2.0))
+
+
+def test_autocast_runs_in_a_program_that_never_imports_flax_nnx(monkeypatch):
+  monkeypatch.delitem(sys.modules, "flax.nnx", raising=False)
+  got = jaxamp.autocast(lambda x, w: x @ w)(jnp.asarray(X), jnp.asarray(Y))
+  assert got.dtype == jnp.float16
+  np.testing.assert_array_equal(got, X.astype(np.float16) @ Y.astype(np.float16))
+
+
+def test_a_static_argument_selects_its_trace_by_its_type_and_value():
+  # 1, True and 1.0 are equal in Python (and hash alike) but make arrays of different dtypes.
+  def filled(x, value):
+    return jnp.full(x.shape, value)
+
+  f, x = jaxamp.autocast(filled), jnp.asarray(X)
+  for value in (1, True, 1.0, 2, False):
+    got, want = f(x, value), filled(x, value)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+@dataclasses.dataclass
+class _DropoutConfig:
+  """A mutable (so unhashable) configuration object, passed as a static argument."""
+  rate: float
+
+
+def test_a_function_of_an_unhashable_static_argument_is_traced_at_each_call():
+  def scale(x, cfg):
+    return x * (1.0 - cfg.rate)
+
+  f, x = jaxamp.autocast(scale), jnp.asarray(X)
+  for rate in (0.5, 0.25, 0.5):
+    np.testing.assert_array_equal(f(x, _DropoutConfig(rate)), scale(x, _DropoutConfig(rate)))
+  # Another function with such an argument gets its own trace too.
+  shift = jaxamp.autocast(lambda x, cfg: x + cfg.rate)
+  np.testing.assert_array_equal(shift(x, _DropoutConfig(0.5)), X + 0.5)
+
+
+def test_repeated_calls_reuse_the_trace_and_the_cache_keeps_the_256_most_recent():
+  traces = []
+
+  @jaxamp.autocast
+  def shift(x, k):
+    traces.append(k)  # runs once per trace
+    return x + k
+
+  def run(*ks):  # inside eval_shape autocast traces but nothing is compiled
+    jax.eval_shape(lambda x: [shift(x, k) for k in ks], jnp.asarray(X))
+
+  run(*range(256))
+  run(0, 1, 255)  # all kept: no new trace (and 0 is now the most recently used)
+  assert traces == list(range(256))
+  run(256)  # one too many: the least recently used (2) is dropped
+  run(256, 0, 1, 3)
+  assert traces == list(range(257))
+  run(2)  # dropped: traced again
+  assert traces == list(range(257)) + [2]
+
+
+class _Head:
+  """A plain Python layer whose weights are set on it inside the step that applies it."""
+
+  def __init__(self):
+    self.w = None
+
+  @jaxamp.autocast
+  def apply(self, x):
+    return x @ self.w
+
+
+def test_a_method_reading_traced_weights_from_its_object_is_traced_again_in_each_step():
+  head = _Head()
+
+  def loss(w, x):
+    head.w = w  # a traced value: the trace of apply closes over it
+    return jnp.sum(head.apply(x).astype(jnp.float32))
+
+  def loss_f16(w, x):
+    return jnp.sum((x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32))
+
+  w, x = jnp.asarray(Y), jnp.asarray(X)
+  np.testing.assert_array_equal(jax.jit(loss)(w, x), loss_f16(w, x))
+  # jax.grad traces loss again, with another traced w: apply must not reuse the jit's trace.
+  np.testing.assert_array_equal(jax.grad(loss)(w, x), jax.grad(loss_f16)(w, x))
+  np.testing.assert_array_equal(jax.jit(loss)(2 * w, x), loss_f16(2 * w, x))
+
+
+def test_the_compiled_program_names_an_autocast_module_after_its_class():
+  # An Equinox module (a callable object without __name__): its program reads autocast_Linear.
+  import equinox as eqx
+  linear = eqx.nn.Linear(2, 2, key=jax.random.key(0))
+  f = jaxamp.autocast(linear)
+  text = jax.jit(lambda x: f(x)).lower(jnp.ones(2)).as_text()
+  assert "@autocast_Linear(" in text
+
+
+def test_a_function_updating_an_nnx_module_kept_in_a_dict_is_refused_with_the_remedy():
+  # The module is not in the closure itself (a dict is) but the trace still catches it.
+  state = {"model": _batch_norm()}
+
+  def forward(x):
+    return state["model"](x)
+
+  with pytest.raises(ValueError, match="forward changes an NNX object that is not among its "
+                                       "arguments: .* Pass it as an argument instead"):
+    jaxamp.autocast(forward, jnp.bfloat16)(XB)

@@ -637,7 +637,9 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
 
   ``fn`` is traced to a jaxpr once per input structure, shape and dtype (and
   per value of its non-array arguments, which are static), and the jaxpr is
-  evaluated with per-operation dtypes:
+  evaluated with per-operation dtypes. The 256 most recently used traces (of
+  all autocast functions together) are kept; a call whose trace was dropped is
+  traced again. The rules:
 
   - **low precision** (``dot_general``, ``conv_general_dilated``): floating
     inputs other than float64 are cast to ``dtype``; products accumulate in
