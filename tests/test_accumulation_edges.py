@@ -267,7 +267,8 @@ def test_a_transformation_initialized_on_flax_fp8_variables_says_which_it_is(nam
 
 
 def test_an_accumulator_dtype_is_refused_by_name():
-  with pytest.raises(ValueError, match=r"^accumulator_dtype must be None or a floating-point dtype, got int32"):
+  with pytest.raises(ValueError,
+                     match=r"^accumulator_dtype must be None or a floating-point dtype, got int32"):
     jaxamp.accumulate_gradients(optax.sgd(0.1), 2, accumulator_dtype=jnp.int32)
 
 

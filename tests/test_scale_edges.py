@@ -193,3 +193,21 @@ def test_the_stall_warning_names_the_transformation_to_reconfigure(make, request
     for _ in range(3):
       _, state = step({"w": jnp.full(1, jnp.nan, jnp.float32)}, state, params)
     jax.effects_barrier()
+
+
+def test_by_default_the_scale_doubles_after_2000_finite_steps_as_in_pytorch():
+  # torch.amp.GradScaler's defaults: init_scale 2**16, growth_interval 2000, growth_factor 2.
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0))
+  params = {"w": jnp.zeros(1, jnp.float32)}
+  grads = {"w": jnp.ones(1, jnp.float32)}
+
+  @jax.jit
+  def run(state):
+    def step(state, _):
+      _, state = tx.update(grads, state, params)
+      return state, state.scale
+    return jax.lax.scan(step, state, None, length=2001)[1]
+
+  scales = np.asarray(run(tx.init(params)))
+  np.testing.assert_array_equal(scales[:1999], 2.0**16)
+  np.testing.assert_array_equal(scales[1999:], 2.0**17)
