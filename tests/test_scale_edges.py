@@ -211,3 +211,15 @@ def test_by_default_the_scale_doubles_after_2000_finite_steps_as_in_pytorch():
   scales = np.asarray(run(tx.init(params)))
   np.testing.assert_array_equal(scales[:1999], 2.0**16)
   np.testing.assert_array_equal(scales[1999:], 2.0**17)
+
+
+@pytest.mark.parametrize("name, make", [
+    ("dynamic_loss_scale", jaxamp.dynamic_loss_scale),
+    ("static_loss_scale", lambda tx: jaxamp.static_loss_scale(tx, 8.0)),
+])
+def test_a_scaler_around_an_accumulator_warns_naming_the_nesting_to_use_instead(name, make):
+  tx = make(jaxamp.accumulate_gradients(optax.sgd(1.0), 2))
+  with pytest.warns(UserWarning, match=rf"^jaxamp\.{name}\(\.\.\.\) wraps "
+                                       r"jaxamp\.accumulate_gradients\(\.\.\.\)") as record:
+    tx.init({"w": jnp.zeros(2)})
+  assert f"jaxamp.accumulate_gradients(jaxamp.{name}(inner), every_k)" in str(record[0].message)
