@@ -223,3 +223,21 @@ def test_a_scaler_around_an_accumulator_warns_naming_the_nesting_to_use_instead(
                                        r"jaxamp\.accumulate_gradients\(\.\.\.\)") as record:
     tx.init({"w": jnp.zeros(2)})
   assert f"jaxamp.accumulate_gradients(jaxamp.{name}(inner), every_k)" in str(record[0].message)
+
+
+def test_with_x64_enabled_the_scale_stays_float32_through_growth_and_backoff():
+  # The state that init gives has the dtype of the one update returns (a scan carry keeps it).
+  with jax.enable_x64(True):
+    tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, growth_interval=1)
+    params = {"w": jnp.zeros(1, jnp.float32)}
+    state = tx.init(params)
+    for g, want in ((1.0, 16.0), (np.inf, 8.0)):
+      _, state = jax.jit(tx.update)({"w": jnp.full(1, g, jnp.float32)}, state, params)
+      assert state.scale.dtype == jnp.float32 and float(state.scale) == want
+
+
+def test_a_single_integer_gradient_is_named_as_the_root_in_the_warning():
+  tx = jaxamp.dynamic_loss_scale(optax.identity())
+  count = jnp.zeros(2, jnp.int32)
+  with pytest.warns(UserWarning, match=r"leaf <root> has non-floating dtype int32"):
+    tx.update(count, tx.init(count), count)
