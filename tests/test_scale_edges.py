@@ -241,3 +241,11 @@ def test_a_single_integer_gradient_is_named_as_the_root_in_the_warning():
   count = jnp.zeros(2, jnp.int32)
   with pytest.warns(UserWarning, match=r"leaf <root> has non-floating dtype int32"):
     tx.update(count, tx.init(count), count)
+
+
+@pytest.mark.parametrize("name", ["min_scale", "max_scale"])
+@pytest.mark.parametrize("bad, error, says", [(float("inf"), ValueError, "finite"),
+                                              ("big", TypeError, "a real number")])
+def test_a_bad_scale_bound_is_refused_by_name(name, bad, error, says):
+  with pytest.raises(error, match=rf"^{name} must be {says}"):
+    jaxamp.dynamic_loss_scale(optax.sgd(1.0), **{name: bad})
