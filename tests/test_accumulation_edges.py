@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import jaxamp
+from tests._floats import enable_x64
 
 
 def _model(grads, k, total_steps=None):
@@ -172,14 +173,6 @@ def test_microbatched_fp8_statistics_are_the_maximum_over_the_devices():
   np.testing.assert_allclose(grads["w"], [float(jnp.mean(xs))] * 2, rtol=1e-6)
 
 
-def _enable_x64(on=True):
-  # jax.enable_x64 on newer releases; jax.experimental.enable_x64 on the oldest supported.
-  if hasattr(jax, "enable_x64"):
-    return jax.enable_x64(on)
-  from jax import experimental  # pylint: disable=import-outside-toplevel
-  return experimental.enable_x64(on)
-
-
 def _complex_updates(accumulator_dtype, grads):
   tx = jaxamp.accumulate_gradients(optax.sgd(1.0), len(grads), accumulator_dtype=accumulator_dtype)
   params = {"w": jnp.zeros(1, jnp.complex64)}
@@ -195,7 +188,7 @@ def test_complex_gradients_accumulate_with_their_imaginary_parts():
   assert got.dtype == jnp.complex64
   np.testing.assert_array_equal(got, np.asarray([-2 - 3j], np.complex64))
   # accumulator_dtype=float64 (under x64) sums complex64 leaves in complex128: the ones survive.
-  with _enable_x64(True):
+  with enable_x64(True):
     got = _complex_updates(jnp.float64, [2.0**24 * (1 + 1j), 1 + 1j, 1 + 1j, 1 + 1j])
   want = -np.float32((2.0**24 + 3) / 4)
   assert want != -(2.0**22)

@@ -10,6 +10,7 @@ import pytest
 from jax import lax
 
 import jaxamp
+from tests._floats import enable_x64
 from jaxamp._src import compat
 from tests._problems import classification
 
@@ -87,20 +88,12 @@ def test_promote_casts_mixed_inputs_to_the_widest_and_scalars_do_not_widen():
   assert in_dtypes(jaxamp.autocast(f), X, W, jnp.ones(5), prim="add") == [(F32, F32)]
 
 
-def _enable_x64(on):
-  # jax.enable_x64 on newer releases; jax.experimental.enable_x64 on the oldest supported.
-  if hasattr(jax, "enable_x64"):
-    return jax.enable_x64(on)
-  from jax import experimental  # pylint: disable=import-outside-toplevel
-  return experimental.enable_x64(on)
-
-
 def test_float64_ints_bools_and_keys_are_untouched():
   def f(x, i, b, key, z):
     noise = jax.random.normal(key, x.shape, jnp.float32)
     return x @ x.T + noise[:, :3] * 0, i * 2, ~b, jax.random.split(key), z @ z
 
-  with _enable_x64(True):
+  with enable_x64(True):
     z = jnp.ones((2, 2), F64)
     key = jax.random.key(0)
     out = jaxamp.autocast(f)(X, jnp.arange(3), jnp.array([True]), key, z)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jaxamp
+from tests._floats import enable_x64
 
 X = np.array([[1.5, 2.0], [0.25, -1.0]], np.float32)
 Y = np.array([[3.0, 0.375], [0.125, 7.0]], np.float32)
@@ -954,17 +955,10 @@ def test_float32_ops_of_a_bfloat16_model_run_in_float32():
 # ---- the float32 rule widens only 16-bit (and narrower) floating inputs
 
 
-def _enable_x64(on=True):
-  # jax.enable_x64 on newer releases; jax.experimental.enable_x64 on the oldest supported.
-  if hasattr(jax, "enable_x64"):
-    return jax.enable_x64(on)
-  from jax import experimental  # pylint: disable=import-outside-toplevel
-  return experimental.enable_x64(on)
-
 
 def test_float32_rules_leave_float64_values_at_full_precision_under_x64():
   # A float64 log-sum-exp (exp, reduce_sum, log: all float32 ops) keeps its float64 precision.
-  with _enable_x64():
+  with enable_x64():
     x = jnp.asarray([0.0, 1e-9, 2e-9], jnp.float64)  # float32 would lose the small terms
     lse = lambda x: jnp.log(jnp.sum(jnp.exp(x)))
     got = jaxamp.autocast(lse)(x)

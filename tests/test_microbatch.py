@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from tests._floats import enable_x64
 
 BATCH, FEATURES, HIDDEN, NUM = 24, 5, 7, 4
 
@@ -183,14 +184,6 @@ def test_bad_batches(reference):
     jaxamp.microbatch_value_and_grad(loss_fn, 2)(params, batch, loss_scale=jnp.ones(2))
 
 
-def _enable_x64(on=True):
-  # jax.enable_x64 on newer releases; jax.experimental.enable_x64 on the oldest supported.
-  if hasattr(jax, "enable_x64"):
-    return jax.enable_x64(on)
-  from jax import experimental  # pylint: disable=import-outside-toplevel
-  return experimental.enable_x64(on)
-
-
 def test_a_bad_accumulator_dtype_is_refused_by_name():
   with pytest.raises(ValueError, match=r"^accumulator_dtype must be a floating-point dtype, got int32"):
     jaxamp.microbatch_value_and_grad(loss_fn, 2, accumulator_dtype=jnp.int32)
@@ -242,7 +235,7 @@ def test_complex_gradients_keep_their_imaginary_parts():
       {"w": jnp.complex64(1 + 1j)}, g)
   np.testing.assert_array_equal(got["w"], jnp.complex64(2.0**22 - 2.0**22 * 1j))
   # complex128 keeps complex128 (float64 parts) under x64.
-  with _enable_x64(True):
+  with enable_x64(True):
     params = {"w": jnp.array([1 + 2j, 0.5 - 1j], jnp.complex128)}
     x = jnp.sin(jnp.arange(16.0, dtype=jnp.float64).reshape(8, 2))
 
@@ -294,7 +287,7 @@ def test_the_accumulator_dtype_asked_for_wins_over_a_leaf_of_the_same_width():
 
 
 def test_under_x64_float64_gradients_and_losses_keep_float64():
-  with _enable_x64(True):
+  with enable_x64(True):
     rng = np.random.default_rng(2)
     params = {"w": jnp.asarray(rng.standard_normal(FEATURES), jnp.float64)}
     batch = {"x": jnp.asarray(rng.standard_normal((BATCH, FEATURES)), jnp.float64),
@@ -312,7 +305,7 @@ def test_under_x64_float64_gradients_and_losses_keep_float64():
 
 def test_under_x64_float32_losses_and_gradients_stay_float32(reference):
   params, batch, loss, grads = reference
-  with _enable_x64(True):
+  with enable_x64(True):
     got_loss, got = jax.jit(jaxamp.microbatch_value_and_grad(loss_fn, NUM))(params, batch)
     assert got_loss.dtype == jnp.float32
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(got))
@@ -321,7 +314,7 @@ def test_under_x64_float32_losses_and_gradients_stay_float32(reference):
 
 
 def test_a_float64_accumulator_sums_float32_losses_and_gradients_in_float64():
-  with _enable_x64(True):
+  with enable_x64(True):
     x = jnp.array([2.0**24, 1.0, 1.0, 1.0], jnp.float32)
     fn = jaxamp.microbatch_value_and_grad(lambda p, x: jnp.mean(p["w"] * x), 4,
                                           accumulator_dtype=jnp.float64)
@@ -336,7 +329,7 @@ def test_a_float64_accumulator_sums_float32_losses_and_gradients_in_float64():
 def test_under_x64_a_number_scales_as_the_scalers_state_holding_it_does():
   # loss_scale=3.1 and loss_scale=<a scaler's state made with 3.1> give the same float64
   # gradients: a number is taken, as the state holds it, as a float32 scale.
-  with _enable_x64(True):
+  with enable_x64(True):
     params = {"w": jnp.array([0.3, -1.7], jnp.float64)}
     x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float64).reshape(4, 2)
 

@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import jaxamp
+from tests._floats import enable_x64
 
 W0 = {"w": jnp.array([1.0, -2.0], jnp.float32)}
 X = jnp.array([0.5, 1.0], jnp.float32)
@@ -245,7 +246,7 @@ def test_step_unscales_and_applies_in_the_holders_one_call_unless_unscale_came_f
 
 
 def test_with_x64_enabled_a_new_init_loss_scaling_is_still_a_float32_scale():
-  with jax.enable_x64(True):
+  with enable_x64(True):
     scaler = jaxamp.paddle.GradScaler(init_loss_scaling=8.0)
     scaler.set_init_loss_scaling(4.0)
     assert scaler.state.scale.dtype == jnp.float32

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxamp
+from tests._floats import enable_x64
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -227,7 +228,7 @@ def test_a_scaler_around_an_accumulator_warns_naming_the_nesting_to_use_instead(
 
 def test_with_x64_enabled_the_scale_stays_float32_through_growth_and_backoff():
   # The state that init gives has the dtype of the one update returns (a scan carry keeps it).
-  with jax.enable_x64(True):
+  with enable_x64(True):
     tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, growth_interval=1)
     params = {"w": jnp.zeros(1, jnp.float32)}
     state = tx.init(params)

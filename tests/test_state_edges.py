@@ -19,6 +19,7 @@ import pytest
 
 import jaxamp
 from jaxamp._src.state import declare_skipping_state
+from tests._floats import enable_x64
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -292,16 +293,9 @@ def _low_precision_without_bfloat16_leaves():
   return jaxamp.step_metrics(jaxamp.low_precision_params(optax.sgd(1e-3)).init(PARAMS))
 
 
-def _enable_x64(on):
-  if hasattr(jax, "enable_x64"):
-    return jax.enable_x64(on)
-  from jax import experimental  # noqa: PLC0415 (older jax)
-  return experimental.enable_x64(on)
-
-
 @pytest.mark.parametrize("x64", [False, True])
 def test_stale_fraction_without_bfloat16_leaves_is_a_float32_zero(x64):
-  with _enable_x64(x64):
+  with enable_x64(x64):
     metrics = _low_precision_without_bfloat16_leaves()
   assert sorted(metrics) == ["stale_fraction", "stale_fraction_per_leaf"]
   assert metrics["stale_fraction"].shape == () and metrics["stale_fraction"].dtype == jnp.float32
@@ -316,7 +310,7 @@ def test_stale_fraction_without_bfloat16_leaves_is_a_float32_zero(x64):
 @pytest.mark.parametrize("x64", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.float16, jnp.bfloat16])
 def test_set_loss_scale_to_a_traced_scalar_stores_a_float32_scale(dtype, x64):
-  with _enable_x64(x64):
+  with enable_x64(x64):
     state = jaxamp.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
     new = jax.jit(jaxamp.set_loss_scale)(state, jnp.asarray(512, dtype))
   assert new.scale.dtype == jnp.float32 and float(new.scale) == 512.0
@@ -479,7 +473,7 @@ def test_accumulation_leaves_non_finite_windows_to_a_declared_skipping_transform
 
 @pytest.mark.parametrize("x64", [False, True])
 def test_train_state_without_a_loss_scaler_reads_a_float32_scale_of_one(x64):
-  with _enable_x64(x64):
+  with enable_x64(x64):
     state = jaxamp.TrainState.create(apply_fn=lambda p, x: x, params=PARAMS, tx=optax.sgd(0.1))
     scale = state.loss_scale
   assert scale.shape == () and scale.dtype == jnp.float32 and float(scale) == 1.0

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxamp
+from tests._floats import enable_x64
 from jaxamp._src import clipping
 
 
@@ -265,7 +266,7 @@ def test_bad_clipping_arguments_are_refused_under_their_own_names():
 def test_with_x64_enabled_the_total_norm_and_its_state_stay_float32():
   # The documented float32 norm, whichever default dtype JAX has: the state that init gives
   # has the dtype of the one update returns (a lax.scan carry of it keeps its type).
-  with jax.enable_x64(True):
+  with enable_x64(True):
     grads = {"a": jnp.array([3.0, 0.0], jnp.float32), "h": jnp.array([4.0], jnp.float16)}
     tx = jaxamp.clip_grad_norm(1.0)
     state = tx.init(grads)
