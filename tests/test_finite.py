@@ -210,3 +210,15 @@ def test_the_check_is_exact_for_sums_that_would_overflow_and_flags_each_leaf():
   ok, flags = check(p, x)
   assert bool(ok)
   np.testing.assert_array_equal(flags, [False, False, False])
+
+
+@pytest.mark.parametrize("scale", [2.0, 2.0**127])
+def test_a_complex_leaf_is_unscaled_part_by_part_as_real_leaves_are(scale):
+  # Bit for bit, the signs of zeros included (a complex product would mix the parts).
+  g = jnp.asarray(np.array([complex(-0.0, -1.0), complex(-0.0, 3.0), complex(5.0, -0.0),
+                            complex(F32_MAX, -F32_TINY)], np.complex64))
+  unscale = jax.jit(finite.unscale)
+  got = np.asarray(unscale({"g": g}, jnp.float32(scale))["g"])
+  parts = unscale({"re": jnp.real(g), "im": jnp.imag(g)}, jnp.float32(scale))
+  np.testing.assert_array_equal(bits(got.real), bits(parts["re"]))
+  np.testing.assert_array_equal(bits(got.imag), bits(parts["im"]))
