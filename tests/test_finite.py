@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import jaxamp
 from jaxamp._src import finite
-from tests._floats import F32_MAX, F32_TINY, bits, torch_unscale
+from tests._floats import F32_MAX, F32_TINY, bits, enable_x64, torch_unscale
 
 
 # ------------------------------------------------------------------------------------- all_finite
@@ -222,3 +222,22 @@ def test_a_complex_leaf_is_unscaled_part_by_part_as_real_leaves_are(scale):
   parts = unscale({"re": jnp.real(g), "im": jnp.imag(g)}, jnp.float32(scale))
   np.testing.assert_array_equal(bits(got.real), bits(parts["re"]))
   np.testing.assert_array_equal(bits(got.imag), bits(parts["im"]))
+
+
+def test_bfloat16_gradients_are_unscaled_in_float32_then_rounded_once():
+  # As PyTorch's unscale: the product of a half-precision gradient with float32(1 / scale) is
+  # formed in float32; in bfloat16 the reciprocal itself would be rounded first.
+  g = jnp.asarray(np.linspace(-3.0, 3.0, 13), jnp.bfloat16)
+  for scale in (3.0, 1000.0, 2.0**20 / 3):
+    got = jax.jit(finite.unscale)({"g": g}, jnp.float32(scale))["g"]
+    assert got.dtype == jnp.bfloat16
+    want = (np.asarray(g, np.float32) * np.float32(1 / np.float32(scale))).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_under_x64_float64_gradients_are_unscaled_in_float64():
+  with enable_x64():
+    g = jnp.asarray([1.0 + 2.0**-40, -3.0, 1e300], jnp.float64)
+    got = jax.jit(finite.unscale)({"g": g}, jnp.float32(3.0))["g"]
+    assert got.dtype == jnp.float64
+    np.testing.assert_array_equal(got, np.asarray(g) * np.float64(np.float32(1) / np.float32(3)))
