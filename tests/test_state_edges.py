@@ -477,3 +477,15 @@ def test_train_state_without_a_loss_scaler_reads_a_float32_scale_of_one(x64):
     state = jaxamp.TrainState.create(apply_fn=lambda p, x: x, params=PARAMS, tx=optax.sgd(0.1))
     scale = state.loss_scale
   assert scale.shape == () and scale.dtype == jnp.float32 and float(scale) == 1.0
+
+
+@pytest.mark.parametrize("scaler_first", [True, False])
+def test_a_scaler_beside_a_stateful_transformation_in_a_chain_is_refused_naming_both(
+    scaler_first):
+  scaler = jaxamp.dynamic_loss_scale(optax.identity())
+  parts = (scaler, optax.adam(1e-3)) if scaler_first else (optax.adam(1e-3), scaler)
+  state = optax.chain(*parts).init({"w": jnp.zeros(2)})
+  where = ("chain entry 1, after the scaler at entry 0" if scaler_first
+           else "chain entry 0, before the scaler at entry 1")
+  with pytest.raises(ValueError, match=rf"beside a transformation that holds state \({where}\)"):
+    jaxamp.loss_scale(state)
