@@ -80,6 +80,11 @@ def _is_float(dtype) -> bool:
   return jax.dtypes.issubdtype(dtype, jnp.floating)
 
 
+def _is_inexact(dtype) -> bool:
+  """Floating or complex: a dtype with a tangent space."""
+  return jax.dtypes.issubdtype(dtype, jnp.inexact)
+
+
 def _cast(x, dtype):
   if jnp.dtype(_dtype_of(x)) == jnp.dtype(dtype):  # a literal may be a Python scalar
     return x
@@ -200,7 +205,7 @@ def _eval_low(eqn, invals, cfg: _Config):
   cast = _promote(cast, [False] * len(cast))
   params = dict(eqn.params)
   if params.get("preferred_element_type") is not None and all(
-      _dtype_of(v) == low for v in cast if jax.dtypes.issubdtype(_dtype_of(v), jnp.inexact)):
+      _dtype_of(v) == low for v in cast if _is_inexact(_dtype_of(v))):
     # As jnp.matmul emits for half operands: the accumulation type is the backend's
     # (float32 on GPU, TPU and CPU), and the backward products stay in half precision.
     params["preferred_element_type"] = low
@@ -285,7 +290,7 @@ def _scan(eqn, invals, run):
 def _tangent_zeros(x):
   """A zero tangent for ``x``: zeros of its dtype, or float0 for integers and keys."""
   dtype = _dtype_of(x)
-  if jax.dtypes.issubdtype(dtype, jnp.inexact):
+  if _is_inexact(dtype):
     return jnp.zeros(jnp.shape(x), dtype)
   return np.zeros(jnp.shape(x), jax.dtypes.float0)
 
@@ -303,8 +308,7 @@ def _custom_jvp(eqn, invals, run):
     raise _closed_over("custom_jvp")
   # The tangents the rule sees as symbolic zeros: none, as in JAX, unless it asked for them;
   # then those of the inputs that have no tangent space (integer, boolean: float0).
-  in_zeros = [parts.symbolic_zeros and not jax.dtypes.issubdtype(a.dtype, jnp.inexact)
-              for a in parts.call.in_avals]
+  in_zeros = [parts.symbolic_zeros and not _is_inexact(a.dtype) for a in parts.call.in_avals]
 
   @jax.custom_jvp
   def fn(*xs):
@@ -321,7 +325,7 @@ def _custom_jvp(eqn, invals, run):
     for o, zero in zip(outs, out_zeros):
       t = None if zero else next(nz)
       # An integer output's tangent is float0 zeros, whatever array the rule returns for it.
-      inexact = jax.dtypes.issubdtype(_dtype_of(o), jnp.inexact)
+      inexact = _is_inexact(_dtype_of(o))
       tangents_out.append(_cast(t, _dtype_of(o)) if t is not None and inexact
                           else _tangent_zeros(o))
     return outs, tuple(tangents_out)
@@ -342,7 +346,7 @@ def _custom_vjp(eqn, invals, run):
   in_dtypes = _traced_dtypes(eqn)
   out_dtypes = [a.dtype for a in parts.call.out_avals]
   n_out = len(out_dtypes)
-  in_float = [jax.dtypes.issubdtype(_dtype_of(v), jnp.inexact) for v in invals]
+  in_float = [_is_inexact(_dtype_of(v)) for v in invals]
   in_cast = [_dtype_of(v) for v in invals]
   n_in = len(invals)
 
