@@ -489,3 +489,35 @@ def test_a_scaler_beside_a_stateful_transformation_in_a_chain_is_refused_naming_
            else "chain entry 0, before the scaler at entry 1")
   with pytest.raises(ValueError, match=rf"beside a transformation that holds state \({where}\)"):
     jaxamp.loss_scale(state)
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda tx: optax.chain(optax.identity(), tx),
+    lambda tx: optax.multi_transform({"a": tx}, {"w": "a"}),
+], ids=["chain", "multi_transform"])
+@pytest.mark.parametrize("broken", [
+    lambda: optax.MultiSteps(jaxamp.dynamic_loss_scale(optax.adam(0.1)), 2),
+    lambda: optax.apply_if_finite(jaxamp.dynamic_loss_scale(optax.adam(0.1)), 3),
+], ids=["multisteps", "apply_if_finite"])
+def test_a_broken_composition_nested_in_another_transformation_is_refused(wrap, broken):
+  state = wrap(broken()).init({"w": jnp.zeros(2)})
+  with pytest.raises(ValueError, match="cannot work"):
+    jaxamp.loss_scale(state)
+
+
+def test_a_list_of_optimizer_states_is_not_taken_for_a_chain():
+  # Two models' states kept side by side in a list: only optax.chain's tuple is a chain.
+  params = {"w": jnp.zeros(2)}
+  states = [jaxamp.dynamic_loss_scale(optax.adam(0.1), init_scale=8.0).init(params),
+            optax.adam(0.1).init(params)]
+  assert float(jaxamp.loss_scale(states)) == 8.0
+
+
+def test_skipped_steps_is_int32_for_counters_restored_as_int64():
+  with enable_x64(True):
+    tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 2)
+    state = tx.init({"w": jnp.zeros(2)})
+    restored = jax.tree.map(
+        lambda x: np.asarray(x, np.int64) if jnp.issubdtype(x.dtype, jnp.integer) else x, state)
+    count = jaxamp.skipped_steps(restored)
+  assert count.dtype == jnp.int32 and int(count) == 0
