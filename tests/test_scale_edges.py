@@ -250,3 +250,21 @@ def test_a_single_integer_gradient_is_named_as_the_root_in_the_warning():
 def test_a_bad_scale_bound_is_refused_by_name(name, bad, error, says):
   with pytest.raises(error, match=rf"^{name} must be {says}"):
     jaxamp.dynamic_loss_scale(optax.sgd(1.0), **{name: bad})
+
+
+@pytest.mark.parametrize("dtype, scaled_dtype", [
+    (jnp.float64, jnp.float64), (jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),
+    (jnp.int32, jnp.float32)])
+def test_with_x64_a_scaled_loss_keeps_a_wide_dtype_and_promotes_the_rest_to_float32(
+    dtype, scaled_dtype):
+  with enable_x64(True):
+    state = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0).init({"w": jnp.zeros(2)})
+    scaled = jaxamp.scale_loss(jnp.asarray(3, dtype), state)
+  assert scaled.dtype == scaled_dtype and float(scaled) == 24.0
+
+
+def test_a_complex_loss_is_scaled_with_both_parts():
+  # A holomorphic objective: the loss is complex, and scaling must not drop its imaginary part.
+  state = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0).init({"w": jnp.zeros(2)})
+  scaled = jaxamp.scale_loss(jnp.complex64(1.5 - 2j), state)
+  assert scaled.dtype == jnp.complex64 and complex(scaled) == 6 - 8j
