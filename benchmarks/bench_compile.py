@@ -154,6 +154,13 @@ def _no_check(tree, axis_name=None):
   return finite.Check(ok, jnp.zeros([len(finite.float_leaves(tree))], jnp.bool_))
 
 
+def _flag_per_leaf(tree, axis_name=None):
+  # The check as before: each leaf's flag compared on its own (one small kernel per leaf).
+  del axis_name
+  flags = jnp.stack([jnp.isnan(finite.leaf_witness(x)) for x in finite.float_leaves(tree)])
+  return finite.Check(jnp.logical_not(jnp.any(flags)), flags)
+
+
 def _simple_unscale(tree, scale):
   inv = (1.0 / jnp.asarray(scale, jnp.float32))
   return jax.tree.map(lambda g: (g * inv.astype(g.dtype)) if validation.is_inexact(g) else g, tree)
@@ -173,6 +180,7 @@ def _same_scale(self, scale, growth_tracker, overflow_count, found_inf):
 PARTS: Dict[str, Callable[[], Any]] = {
     "no_barriers": _patch(finite, "stored_once", lambda tree: tree),
     "no_check": _patch(finite, "check", _no_check),
+    "flag_per_leaf": _patch(finite, "check", _flag_per_leaf),
     "simple_unscale": _patch(finite, "unscale", _simple_unscale),
     "no_selection": _patch(selective_update, "select_update", _no_selection),
     "no_scale_update": _patch(loss_scale.ScaleRule, "adjust", _same_scale),

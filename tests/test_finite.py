@@ -241,3 +241,20 @@ def test_under_x64_float64_gradients_are_unscaled_in_float64():
     got = jax.jit(finite.unscale)({"g": g}, jnp.float32(3.0))["g"]
     assert got.dtype == jnp.float64
     np.testing.assert_array_equal(got, np.asarray(g) * np.float64(np.float32(1) / np.float32(3)))
+
+
+_MIXED = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "c64": jnp.complex64,
+          "f8": jnp.float8_e4m3fn, "int": jnp.int32}
+
+
+@pytest.mark.parametrize("bad", [None, *(k for k in _MIXED if k != "int")])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_check_flags_exactly_the_leaves_that_hold_an_inf_or_a_nan(bad, value):
+  # One flag per floating leaf, in tree order, whatever the dtype of the other leaves.
+  tree = {k: jnp.ones(5, d) for k, d in _MIXED.items()}
+  if bad is not None:
+    tree[bad] = tree[bad].at[3].set(value)
+  got = jax.jit(finite.check)(tree)
+  floating = [k for k in sorted(_MIXED) if k != "int"]
+  np.testing.assert_array_equal(got.nonfinite_leaves, [k == bad for k in floating])
+  assert bool(got.finite) == (bad is None)

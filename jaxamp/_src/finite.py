@@ -24,9 +24,9 @@ three rules:
 3. **Reductions are order-free.** A floating leaf of 32 bits or more is
    checked by summing ``|x| - |x|``, which is exactly +0 for a finite
    element and nan for inf or nan: a sum of such terms is nan in any order
-   exactly when one of them is, and it cannot overflow. Other leaves reduce
-   booleans read from their bits, and the data-parallel reduction adds
-   integers.
+   exactly when one of them is, and it cannot overflow. Other leaves sum nan
+   where the booleans read from their bits are set and +0 elsewhere, which is
+   as exact, and the data-parallel reduction adds integers.
 
 One more property keeps the check and the update on the same values: each
 loss-scaling transformation passes the raw gradients through
@@ -104,18 +104,21 @@ def nonfinite_mask(x: jax.Array) -> jax.Array:
   return (bits & exponent) == exponent
 
 
-def leaf_nonfinite(x: jax.Array) -> jax.Array:
-  """Whether the array ``x`` holds an inf or a nan: one boolean, from one reduction.
+def leaf_witness(x: jax.Array) -> jax.Array:
+  """A float32 scalar that is nan if the array ``x`` holds an inf or a nan, +0 otherwise.
 
-  A real leaf of 32 bits or more sums ``|x| - |x|``, which is +0 for a
-  finite element and nan otherwise (see the module docstring); other leaves
-  (half precision, complex, float8) reduce :func:`nonfinite_mask`.
+  One reduction: a real leaf of 32 bits or more sums ``|x| - |x|``, which is
+  +0 for a finite element and nan otherwise (see the module docstring); other
+  leaves (half precision, complex, float8) sum nan where :func:`nonfinite_mask`
+  is set and +0 elsewhere. Either sum is exact in any order. :func:`check`
+  tests all the leaves' witnesses with one ``isnan``, so that no leaf needs a
+  kernel of its own for its flag.
   """
   x = jnp.asarray(x)
   if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 4:
     magnitude = jnp.abs(x)
-    return jnp.isnan(jnp.sum(magnitude - magnitude))
-  return jnp.any(nonfinite_mask(x))
+    return jnp.sum(magnitude - magnitude).astype(jnp.float32)
+  return jnp.sum(jnp.where(nonfinite_mask(x), jnp.float32(jnp.nan), jnp.float32(0.0)))
 
 
 class Check(NamedTuple):
@@ -134,7 +137,7 @@ class Check(NamedTuple):
 def check(tree: Any, axis_name: AxisName = None) -> Check:
   """Whether every floating leaf of ``tree`` is finite, and which are not.
 
-  Each leaf is read once, by :func:`leaf_nonfinite`. With ``axis_name`` the
+  Each leaf is read once, by :func:`leaf_witness`. With ``axis_name`` the
   flags are combined across that mapped axis (or tuple of axes), so every
   device holds the same flags and takes the same decision; see
   :func:`all_finite`.
@@ -151,7 +154,7 @@ def check(tree: Any, axis_name: AxisName = None) -> Check:
   """
   axes = sharding.finite_reduction_axes(tree, axis_name)
   leaves = float_leaves(tree)
-  flags = (jnp.stack([leaf_nonfinite(x) for x in leaves]) if leaves
+  flags = (jnp.isnan(jnp.stack([leaf_witness(x) for x in leaves])) if leaves
            else jnp.zeros([0], jnp.bool_))
   if axes:
     # One integer all-reduce: the same flags, and so the same decision, everywhere.
