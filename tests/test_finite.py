@@ -258,3 +258,21 @@ def test_check_flags_exactly_the_leaves_that_hold_an_inf_or_a_nan(bad, value):
   floating = [k for k in sorted(_MIXED) if k != "int"]
   np.testing.assert_array_equal(got.nonfinite_leaves, [k == bad for k in floating])
   assert bool(got.finite) == (bad is None)
+
+
+def test_a_complex_leaf_whose_magnitude_overflows_is_still_finite():
+  # |z| of finite parts near the float32 maximum is inf; the check reads each part.
+  big = float(np.finfo(np.float32).max) * 0.9
+  tree = {"z": jnp.full(3, big + 1j * big, jnp.complex64), "w": jnp.ones(2)}
+  got = jax.jit(finite.check)(tree)
+  assert bool(got.finite)
+  np.testing.assert_array_equal(got.nonfinite_leaves, [False, False])
+
+
+def test_with_x64_the_check_of_a_mixed_tree_flags_each_leaf():
+  with enable_x64(True):
+    tree = {"a": jnp.ones(3, jnp.float64), "b": jnp.array([1.0, jnp.inf], jnp.bfloat16),
+            "c": jnp.ones(2, jnp.float32)}
+    got = jax.jit(finite.check)(tree)
+    np.testing.assert_array_equal(got.nonfinite_leaves, [False, True, False])
+    assert not bool(got.finite)
