@@ -268,3 +268,30 @@ def test_a_complex_loss_is_scaled_with_both_parts():
   state = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0).init({"w": jnp.zeros(2)})
   scaled = jaxamp.scale_loss(jnp.complex64(1.5 - 2j), state)
   assert scaled.dtype == jnp.complex64 and complex(scaled) == 6 - 8j
+
+
+def test_inside_shard_map_gradients_varying_over_an_axis_not_named_are_refused():
+  # One device is enough: JAX types what varies over the mesh axis all the same.
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  P = jax.sharding.PartitionSpec
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  step = jax.jit(jax.shard_map(lambda g, s: tx.update(g, s, params), mesh=mesh,
+                               in_specs=(P("data"), P()), out_specs=(P("data"), P())))
+  with pytest.raises(ValueError, match=r"vary over the shard_map mesh axes \('data',\)"):
+    step({"w": jnp.ones(2)}, state)
+
+
+def test_a_scaler_over_parameters_without_a_floating_leaf_keeps_its_state_types():
+  # An integer-only tree (a step counter held as a parameter): the state's flag vector stays
+  # an empty bool vector, so the update can be the body of a lax.scan.
+  tx = jaxamp.dynamic_loss_scale(optax.identity())
+  params = {"step": jnp.zeros([], jnp.int32)}
+
+  def body(state, _):
+    return tx.update(params, state, params)[1], None
+
+  with pytest.warns(UserWarning, match="neither unscaled nor checked"):
+    state, _ = jax.lax.scan(body, tx.init(params), None, length=2)
+  assert state.nonfinite_leaves.shape == (0,) and state.nonfinite_leaves.dtype == jnp.bool_
