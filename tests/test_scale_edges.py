@@ -295,3 +295,12 @@ def test_a_scaler_over_parameters_without_a_floating_leaf_keeps_its_state_types(
   with pytest.warns(UserWarning, match="neither unscaled nor checked"):
     state, _ = jax.lax.scan(body, tx.init(params), None, length=2)
   assert state.nonfinite_leaves.shape == (0,) and state.nonfinite_leaves.dtype == jnp.bool_
+
+
+def test_a_skipped_step_leaves_integer_parameters_unchanged():
+  tx = jaxamp.dynamic_loss_scale(optax.identity())
+  params = {"w": jnp.ones(2), "n": jnp.array([3, 4], jnp.int32)}
+  grads = {"w": jnp.array([1.0, jnp.nan]), "n": jnp.array([1, 1], jnp.int32)}
+  with pytest.warns(UserWarning, match="neither unscaled nor checked"):
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  np.testing.assert_array_equal(optax.apply_updates(params, updates)["n"], [3, 4])
