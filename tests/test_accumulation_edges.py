@@ -294,3 +294,33 @@ def test_a_half_precision_accumulator_averages_the_short_last_window_in_its_own_
     assert updates["w"].dtype == dtype
     got.append(float(updates["w"][0]))
   assert got == [0.0, -1.5, 0.0, -4.0, -7.0]
+
+
+@pytest.mark.parametrize("axes, axis_name, unnamed", [
+    (("data",), None, r"\('data',\)"),
+    (("data", "model"), "data", r"\('model',\)"),
+], ids=["no_axis_name", "one_of_two_axes"])
+def test_inside_shard_map_a_window_varying_over_an_axis_not_named_is_refused(
+    axes, axis_name, unnamed):
+  # The devices would each decide on their own window: refused, naming the axis to add.
+  mesh = jax.make_mesh((1,) * len(axes), axes,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+  P = jax.sharding.PartitionSpec
+  tx = jaxamp.accumulate_gradients(optax.sgd(0.5), 1, axis_name=axis_name)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  specs = jax.tree.map(lambda _: P(), state)._replace(
+      acc_grads=jax.tree.map(lambda _: P(axes), state.acc_grads))
+  step = jax.jit(jax.shard_map(lambda g, s: tx.update(g, s, params), mesh=mesh,
+                               in_specs=(P(axes), specs), out_specs=(P(axes), specs)))
+  with pytest.raises(ValueError, match=rf"vary over the shard_map mesh axes {unnamed}"):
+    step({"w": jnp.ones(2)}, state)
+
+
+def test_a_scaler_inside_an_accumulator_gets_the_parameters():
+  # Weight decay reads the parameters: the scaler's inner update must be given them.
+  inner = optax.chain(optax.add_decayed_weights(0.5), optax.sgd(1.0))
+  tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(inner, init_scale=1.0), 1)
+  params = {"w": jnp.array([2.0, 4.0])}
+  updates, _ = jax.jit(tx.update)({"w": jnp.zeros(2)}, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"], [-1.0, -2.0])
