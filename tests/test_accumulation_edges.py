@@ -324,3 +324,18 @@ def test_a_scaler_inside_an_accumulator_gets_the_parameters():
   params = {"w": jnp.array([2.0, 4.0])}
   updates, _ = jax.jit(tx.update)({"w": jnp.zeros(2)}, tx.init(params), params)
   np.testing.assert_allclose(updates["w"], [-1.0, -2.0])
+
+
+def test_with_one_micro_step_per_window_a_call_past_total_steps_is_refused():
+  tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 1, total_steps=2)
+  params = {"w": jnp.zeros(2)}
+
+  def body(state, g):
+    updates, state = tx.update({"w": jnp.full(2, g)}, state, params)
+    return state, updates["w"]
+
+  # A lax.scan body: the state keeps its structure from one step to the next.
+  state, updates = jax.lax.scan(body, tx.init(params), jnp.array([1.0, 2.0]))
+  np.testing.assert_array_equal(updates[:, 0], [-1.0, -2.0])
+  with pytest.raises(RuntimeError, match=r"micro-step 3 is past total_steps=2"):
+    jax.block_until_ready(jax.jit(tx.update)({"w": jnp.ones(2)}, state, params))
