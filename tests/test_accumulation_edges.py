@@ -339,3 +339,16 @@ def test_with_one_micro_step_per_window_a_call_past_total_steps_is_refused():
   np.testing.assert_array_equal(updates[:, 0], [-1.0, -2.0])
   with pytest.raises(RuntimeError, match=r"micro-step 3 is past total_steps=2"):
     jax.block_until_ready(jax.jit(tx.update)({"w": jnp.ones(2)}, state, params))
+
+
+def test_with_x64_an_update_gives_counters_restored_as_int64_their_int32_type_back():
+  # A checkpoint restored without a target may hold int64 counters: one update brings the
+  # state back to the types tx.init gives, so the next step does not compile again.
+  with enable_x64(True):
+    tx = jaxamp.accumulate_gradients(optax.sgd(0.1), 2)
+    params = {"w": jnp.zeros(2)}
+    fresh = tx.init(params)
+    restored = jax.tree.map(
+        lambda x: np.asarray(x, np.int64) if jnp.issubdtype(x.dtype, jnp.integer) else x, fresh)
+    _, state = jax.jit(tx.update)({"w": jnp.ones(2)}, restored, params)
+  assert jax.tree.map(lambda x: x.dtype, state) == jax.tree.map(lambda x: x.dtype, fresh)
