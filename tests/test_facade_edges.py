@@ -505,3 +505,66 @@ def test_a_static_argument_whose_comparison_fails_is_a_new_one():
   opt.update_params(_table_loss, jnp.ones(2), _Table("t", [1.0]))
   opt.update_params(_table_loss, jnp.ones(2), _Table("t", [1.0, 2.0]))  # its own values
   np.testing.assert_allclose(opt.params["w"], [-0.4, -0.4], rtol=1e-6)  # -0.1 * (1 + 3)
+
+
+def test_initialize_count_status_names_the_argument_that_is_not_an_int():
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)}, accumulative_counts=2)
+  with pytest.raises(TypeError, match=r"^init_counts must be an int, got 1\.5"):
+    wrapper.initialize_count_status(None, 1.5, 10)
+  with pytest.raises(TypeError, match=r"^max_counts must be an int, got True"):
+    wrapper.initialize_count_status(None, 0, True)
+
+
+def test_backward_all_with_a_scaled_loss_runs_the_gradient_penalty_recipe():
+  wrappers = jaxamp.OptimWrapperDict(a=jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)}),
+                                     b=jaxamp.OptimWrapper(optax.sgd(0.1), {"v": jnp.ones(1)}))
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  x = jnp.array([1.0, 2.0])
+
+  def loss(ps, x):
+    # PyTorch's gradient penalty: scaled inner gradients, unscaled by the scale of this call.
+    g = jax.grad(scaler.scale(lambda p: jnp.sum(p["a"]["w"] ** 2 * x)))(ps)["a"]["w"]
+    g = g / scaler.get_scale()
+    return jnp.sum(ps["a"]["w"] * x) + 3.0 * jnp.sum(ps["b"]["v"]) + jnp.sum(g ** 2)
+
+  out = wrappers.backward_all(scaler.scale(loss), x)
+  assert float(out) == 26.0  # 3 + 3 + |2 w x|^2, not scaled
+  # d/dw (w . x + 4 |w x|^2) = x + 8 w x^2 = [9, 34], times the scale 4.
+  np.testing.assert_allclose(wrappers["a"].grads["w"], [36.0, 136.0], rtol=1e-6)
+  np.testing.assert_allclose(wrappers["b"].grads["v"], [12.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("member", ["inner_count", "grads", "optimizer", "params"])
+def test_optim_wrapper_dict_members_of_one_wrapper_say_which_to_read(member):
+  two = jaxamp.OptimWrapperDict(gen=jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)}),
+                                disc=jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)}))
+  with pytest.raises(AttributeError, match=re.escape(f"(read wrappers['gen'].{member})")):
+    getattr(two, member)
+  one = jaxamp.OptimWrapperDict(disc=jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)}))
+  with pytest.raises(AttributeError, match=re.escape(f"(read wrappers['disc'].{member})")):
+    getattr(one, member)
+  with pytest.raises(AttributeError, match=re.escape(f"(read wrapper.{member})")):
+    getattr(jaxamp.OptimWrapperDict(), member)
+  assert not hasattr(two, member)
+  assert "each wrapper" in help_text(getattr(jaxamp.OptimWrapperDict, member))
+
+
+@pytest.mark.parametrize("method", ["update_params", "backward", "step", "apply_gradients"])
+def test_optim_wrapper_dict_per_wrapper_methods_are_documented_as_such(method):
+  wrappers = jaxamp.OptimWrapperDict(gen=jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)}))
+  with pytest.raises(NotImplementedError, match=f"`{method}` should be called by each optimizer"):
+    getattr(wrappers, method)()
+  assert "each wrapper" in help_text(getattr(jaxamp.OptimWrapperDict, method))
+
+
+def help_text(obj):
+  import pydoc
+  return pydoc.render_doc(obj, renderer=pydoc.plaintext)
+
+
+def test_optim_wrapper_dict_repr_lists_each_named_wrapper():
+  gen = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)})
+  disc = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(3)})
+  assert repr(jaxamp.OptimWrapperDict(gen=gen, disc=disc)) == (
+      "name: gen\n" + repr(gen) + "name: disc\n" + repr(disc))
+  assert repr(jaxamp.OptimWrapperDict()) == ""
