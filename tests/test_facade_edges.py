@@ -568,3 +568,35 @@ def test_optim_wrapper_dict_repr_lists_each_named_wrapper():
   assert repr(jaxamp.OptimWrapperDict(gen=gen, disc=disc)) == (
       "name: gen\n" + repr(gen) + "name: disc\n" + repr(disc))
   assert repr(jaxamp.OptimWrapperDict()) == ""
+
+
+
+def test_params_on_an_auto_mesh_keep_their_sharding_through_steps():
+  from jax.sharding import NamedSharding, PartitionSpec
+  from tests._tracing import trace_counts
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  sharding = NamedSharding(mesh, PartitionSpec("d"))
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.5, momentum=0.9),
+                                {"w": jax.device_put(jnp.ones(2), sharding)})
+  for _ in range(3):
+    wrapper.update_params(_sum_all, jnp.float32(1.0))
+  assert wrapper.params["w"].sharding == sharding
+  assert dict(trace_counts(wrapper)) == {"fused": 1}  # the same shardings at every step
+  np.testing.assert_allclose(wrapper.params["w"], [1.0 - 0.5 * (1 + 1.9 + 2.71)] * 2, rtol=1e-6)
+  # Gradients of a contraction over a batch sharded along the parameter's axis come back
+  # replicated from jax.grad; the wrapper's gradients keep the parameter's sharding.
+  x = jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, PartitionSpec("d", None)))
+  wrapper.zero_grad()
+  wrapper.backward(lambda p, x: jnp.sum(x @ p["w"]), x)
+  assert wrapper.grads["w"].sharding == sharding
+  np.testing.assert_array_equal(wrapper.grads["w"], [8.0, 8.0])
+
+
+def test_the_state_of_a_parameter_off_the_mesh_stays_with_it():
+  from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  params = {"w": jax.device_put(jnp.ones(2), NamedSharding(mesh, PartitionSpec("d"))),
+            "b": jnp.ones(3)}
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.5, momentum=0.9), params)
+  trace = [leaf for leaf in jax.tree.leaves(wrapper.opt_state) if leaf.shape == (3,)]
+  assert len(trace) == 1 and isinstance(trace[0].sharding, SingleDeviceSharding)
