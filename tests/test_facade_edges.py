@@ -600,3 +600,6 @@ def test_the_state_of_a_parameter_off_the_mesh_stays_with_it():
   wrapper = jaxamp.OptimWrapper(optax.sgd(0.5, momentum=0.9), params)
   trace = [leaf for leaf in jax.tree.leaves(wrapper.opt_state) if leaf.shape == (3,)]
   assert len(trace) == 1 and isinstance(trace[0].sharding, SingleDeviceSharding)
+  wrapper.update_params(_sum_all, jnp.float32(1.0))  # steps with both placements
+  np.testing.assert_allclose(wrapper.params["b"], [0.5] * 3)
+  np.testing.assert_allclose(wrapper.params["w"], [0.5] * 2)
