@@ -603,3 +603,12 @@ def test_the_state_of_a_parameter_off_the_mesh_stays_with_it():
   wrapper.update_params(_sum_all, jnp.float32(1.0))  # steps with both placements
   np.testing.assert_allclose(wrapper.params["b"], [0.5] * 3)
   np.testing.assert_allclose(wrapper.params["w"], [0.5] * 2)
+
+
+@pytest.mark.parametrize("norm_type, norm", [(1, 7.0), ("inf", 4.0), (2.0, 5.0)])
+def test_clip_grad_norm_uses_the_configured_norm_type(norm_type, norm):
+  wrapper = jaxamp.build_optim_wrapper({"w": jnp.zeros(2)}, dict(
+      optimizer=dict(type="SGD", lr=1.0), clip_grad=dict(max_norm=1.0, norm_type=norm_type)))
+  wrapper.update_params(lambda p, g: jnp.sum(p["w"] * g), jnp.array([3.0, 4.0]))
+  # torch.nn.utils.clip_grad_norm_: the gradients [3, 4] times max_norm / their norm.
+  np.testing.assert_allclose(wrapper.params["w"], [-3.0 / norm, -4.0 / norm], rtol=1e-6)
