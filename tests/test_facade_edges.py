@@ -612,3 +612,13 @@ def test_clip_grad_norm_uses_the_configured_norm_type(norm_type, norm):
   wrapper.update_params(lambda p, g: jnp.sum(p["w"] * g), jnp.array([3.0, 4.0]))
   # torch.nn.utils.clip_grad_norm_: the gradients [3, 4] times max_norm / their norm.
   np.testing.assert_allclose(wrapper.params["w"], [-3.0 / norm, -4.0 / norm], rtol=1e-6)
+
+
+def test_clip_grad_errors_name_the_entry_at_fault():
+  params = {"w": jnp.zeros(2)}
+  with pytest.raises(AssertionError, match=r"^If `clip_grad` is not None, it should be a `dict`"):
+    jaxamp.OptimWrapper(optax.sgd(0.1), params, clip_grad=[1.0])
+  with pytest.raises(ValueError, match=r"^clip_grad\['max_norm'\] must be a number >= 0"):
+    jaxamp.OptimWrapper(optax.sgd(0.1), params, clip_grad=dict(max_norm=-1.0))
+  with pytest.raises(ValueError, match=r"^clip_grad\['clip_value'\] must be a number >= 0"):
+    jaxamp.OptimWrapper(optax.sgd(0.1), params, clip_grad=dict(type="value", clip_value=-1.0))
