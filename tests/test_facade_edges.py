@@ -622,3 +622,6 @@ def test_clip_grad_errors_name_the_entry_at_fault():
     jaxamp.OptimWrapper(optax.sgd(0.1), params, clip_grad=dict(max_norm=-1.0))
   with pytest.raises(ValueError, match=r"^clip_grad\['clip_value'\] must be a number >= 0"):
     jaxamp.OptimWrapper(optax.sgd(0.1), params, clip_grad=dict(type="value", clip_value=-1.0))
+  with pytest.raises(TypeError, match=r"^error_if_nonfinite must be a bool, got 'yes'"):
+    jaxamp.OptimWrapper(optax.sgd(0.1), params,
+                        clip_grad=dict(max_norm=1.0, error_if_nonfinite="yes"))
