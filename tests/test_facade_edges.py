@@ -625,3 +625,19 @@ def test_clip_grad_errors_name_the_entry_at_fault():
   with pytest.raises(TypeError, match=r"^error_if_nonfinite must be a bool, got 'yes'"):
     jaxamp.OptimWrapper(optax.sgd(0.1), params,
                         clip_grad=dict(max_norm=1.0, error_if_nonfinite="yes"))
+
+
+def test_a_param_group_is_a_mapping_of_its_keys_before_and_after_a_load():
+  wrapper = jaxamp.build_optim_wrapper({"w": jnp.zeros(2)}, dict(
+      optimizer=dict(type="SGD", lr=0.1, momentum=0.9)))
+  group = wrapper.param_groups[0]
+  group["initial_lr"] = 0.1
+  keys = list(group)
+  assert len(group) == len(keys) == len(set(keys)) and keys[0] == "params"
+  assert "lr" in keys and "initial_lr" in keys
+  assert repr(group) == f"ParamGroup({dict(group)!r})" and "'params': ['w']" in repr(group)
+  with pytest.raises(ValueError, match="'params' of a parameter group cannot be changed"):
+    group["params"] = ["v"]
+  assert group["params"] == ["w"] and list(group) == keys
+  wrapper.load_state_dict(wrapper.state_dict())  # the saved group's names are no extra entry
+  assert list(group) == keys and len(group) == len(keys)
