@@ -641,3 +641,20 @@ def test_a_param_group_is_a_mapping_of_its_keys_before_and_after_a_load():
   assert group["params"] == ["w"] and list(group) == keys
   wrapper.load_state_dict(wrapper.state_dict())  # the saved group's names are no extra entry
   assert list(group) == keys and len(group) == len(keys)
+
+
+def test_param_group_entries_load_and_groups_of_unknown_leaves_list_none():
+  def build():
+    return jaxamp.build_optim_wrapper({"w": jnp.zeros(2)}, dict(optimizer=dict(type="SGD", lr=0.1)))
+  saved = build()
+  saved.param_groups[0]["initial_lr"] = 0.05
+  fresh = build()
+  fresh.load_state_dict(saved.state_dict())
+  assert fresh.param_groups[0]["initial_lr"] == 0.05
+  # Two injected optimizers: which leaves each group holds is not known.
+  tx = optax.multi_transform({"a": optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                              "b": optax.inject_hyperparams(optax.sgd)(learning_rate=0.2)},
+                             {"a": "a", "b": "b"})
+  wrapper = jaxamp.OptimWrapper(tx, {"a": jnp.zeros(2), "b": jnp.zeros(3)})
+  assert [group["params"] for group in wrapper.optimizer.param_groups] == [None, None]
+  assert wrapper.get_lr()["lr"] == pytest.approx([0.1, 0.2])
