@@ -658,3 +658,20 @@ def test_param_group_entries_load_and_groups_of_unknown_leaves_list_none():
   wrapper = jaxamp.OptimWrapper(tx, {"a": jnp.zeros(2), "b": jnp.zeros(3)})
   assert [group["params"] for group in wrapper.optimizer.param_groups] == [None, None]
   assert wrapper.get_lr()["lr"] == pytest.approx([0.1, 0.2])
+
+
+def test_tree_errors_name_the_leaf_and_show_the_structure_up_to_300_characters():
+  with pytest.raises(TypeError, match=r"^params leaf <root> has dtype int32"):
+    jaxamp.OptimWrapper(optax.sgd(0.1), jnp.zeros(2, jnp.int32))
+  with pytest.raises(TypeError, match=r"^params leaf \['b'\] has dtype int32"):
+    jaxamp.OptimWrapper(optax.sgd(0.1), {"a": jnp.zeros(2), "b": jnp.zeros(2, jnp.int32)})
+  base = len(str(jax.tree.structure({"": 0})))
+  for size in (base + 1, 300, 301, 500):  # the length of the structure's text
+    params = {"k" * (size - base): jnp.zeros(2)}
+    text = str(jax.tree.structure(params))
+    assert len(text) == size
+    wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), params)
+    shown = text if len(text) <= 300 else text[:300] + "..."
+    with pytest.raises(ValueError) as info:
+      wrapper.params = [jnp.zeros(2)]
+    assert f"expected {shown}, got " in str(info.value)
