@@ -675,3 +675,19 @@ def test_tree_errors_name_the_leaf_and_show_the_structure_up_to_300_characters()
     with pytest.raises(ValueError) as info:
       wrapper.params = [jnp.zeros(2)]
     assert f"expected {shown}, got " in str(info.value)
+
+
+def test_a_loaded_optimizer_state_is_placed_where_the_parameters_are():
+  from jax.sharding import NamedSharding, PartitionSpec
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  sharding = NamedSharding(mesh, PartitionSpec("d"))
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.5, momentum=0.9),
+                                {"w": jax.device_put(jnp.ones(2), sharding)})
+  saved = wrapper.state_dict()
+  for leaves in (jax.tree.map(np.asarray, saved["state"]),  # numpy, and single-device arrays
+                 jax.tree.map(lambda x: jnp.asarray(np.asarray(x)) + 1, saved["state"])):
+    wrapper.load_state_dict(dict(saved, state=leaves))
+    for got, want in zip(jax.tree.leaves(wrapper.opt_state), jax.tree.leaves(leaves)):
+      if np.ndim(want) == 1:
+        assert got.sharding == sharding
+      np.testing.assert_array_equal(got, want)
