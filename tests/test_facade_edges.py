@@ -691,3 +691,23 @@ def test_a_loaded_optimizer_state_is_placed_where_the_parameters_are():
       if np.ndim(want) == 1:
         assert got.sharding == sharding
       np.testing.assert_array_equal(got, want)
+
+
+def test_param_names_drop_a_variables_value_attribute_but_name_the_root():
+  from flax import struct
+
+  @struct.dataclass
+  class Var:  # a variable box, as Flax's: its leaf is its value attribute
+    value: jax.Array
+
+  @struct.dataclass
+  class RawVar:
+    raw_value: jax.Array
+
+  def names(params):
+    sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    return jaxamp.OptimWrapper(sgd, params).param_groups[0]["params"]
+
+  assert names(jnp.zeros(2)) == ["<root>"]
+  assert names(Var(jnp.zeros(2))) == ["value"]  # a bare box at the root keeps its attribute
+  assert names({"a": Var(jnp.zeros(2)), "b": {"c": RawVar(jnp.zeros(2))}}) == ["a", "b.c"]
