@@ -711,3 +711,13 @@ def test_param_names_drop_a_variables_value_attribute_but_name_the_root():
   assert names(jnp.zeros(2)) == ["<root>"]
   assert names(Var(jnp.zeros(2))) == ["value"]  # a bare box at the root keeps its attribute
   assert names({"a": Var(jnp.zeros(2)), "b": {"c": RawVar(jnp.zeros(2))}}) == ["a", "b.c"]
+
+
+def test_numpy_params_set_on_a_wrapper_go_where_the_parameters_are():
+  from jax.sharding import NamedSharding, PartitionSpec
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  sharding = NamedSharding(mesh, PartitionSpec("d"))
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.5), {"w": jax.device_put(jnp.ones(2), sharding)})
+  wrapper.params = {"w": np.array([2.0, 3.0], np.float32)}
+  assert wrapper.params["w"].sharding == sharding
+  np.testing.assert_array_equal(wrapper.params["w"], [2.0, 3.0])
