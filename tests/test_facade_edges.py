@@ -505,3 +505,54 @@ def test_a_static_argument_whose_comparison_fails_is_a_new_one():
   opt.update_params(_table_loss, jnp.ones(2), _Table("t", [1.0]))
   opt.update_params(_table_loss, jnp.ones(2), _Table("t", [1.0, 2.0]))  # its own values
   np.testing.assert_allclose(opt.params["w"], [-0.4, -0.4], rtol=1e-6)  # -0.1 * (1 + 3)
+
+
+# -- loss functions wrapped by scaler.scale and scale_loss ----------------------------------------
+
+
+def _weighted_loss(p, x, *, weight):
+  return weight * _dot_loss(p, x), {"weight": weight}
+
+
+@pytest.mark.parametrize("make", [lambda: jaxamp.GradScaler(init_scale=4.0),
+                                  lambda: jaxamp.paddle.GradScaler(init_loss_scaling=4.0)],
+                         ids=["torch", "paddle"])
+def test_a_scaled_loss_function_takes_keyword_arguments_and_scales_only_the_loss(make):
+  scaled = make().scale(_weighted_loss, has_aux=True)
+  grads, aux = jax.grad(scaled, has_aux=True)({"w": jnp.ones(2)}, jnp.array([1.0, 2.0]), weight=3.0)
+  np.testing.assert_allclose(grads["w"], [12.0, 24.0])  # 4 * 3 * x
+  assert aux == {"weight": 3.0}
+
+
+def test_a_divided_loss_function_takes_keyword_arguments_and_divides_only_the_loss():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)}, accumulative_counts=4)
+  loss, aux = opt.scale_loss(_weighted_loss)({"w": jnp.ones(2)}, jnp.array([1.0, 2.0]), weight=2.0)
+  assert float(loss) == 1.5 and aux == {"weight": 2.0}  # 2 * 3 / 4
+
+
+def test_a_divided_scaled_loss_follows_the_scale_as_it_changes():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)}, accumulative_counts=2)
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  for scale in (4.0, 16.0):
+    opt.zero_grad()
+    opt.backward(opt.scale_loss(scaler.scale(_dot_loss)), jnp.ones(2))
+    np.testing.assert_allclose(opt.grads["w"], [scale / 2] * 2)
+    scaler.update(16.0)
+
+
+def test_a_scaled_divided_loss_divides_the_last_short_window_by_its_own_size():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)}, accumulative_counts=2)
+  opt.initialize_count_status(None, 0, 3)  # windows of 2 calls, then of 1
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  for factor in (2.0, 2.0, 1.0):
+    opt.zero_grad()
+    opt.backward(scaler.scale(opt.scale_loss(_dot_loss)), jnp.ones(2))
+    np.testing.assert_allclose(opt.grads["w"], [4.0 / factor] * 2)
+
+
+def test_divided_loss_functions_are_equal_when_they_wrap_the_same_function():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)})
+  f, g = opt.scale_loss(_dot_loss), opt.scale_loss(_dot_loss)
+  assert f == g and hash(f) == hash(g)
+  assert f != opt.scale_loss(_weighted_loss)
+  assert f != jaxamp.GradScaler().scale(_dot_loss)  # not the same kind of wrapper
