@@ -556,3 +556,28 @@ def test_divided_loss_functions_are_equal_when_they_wrap_the_same_function():
   assert f == g and hash(f) == hash(g)
   assert f != opt.scale_loss(_weighted_loss)
   assert f != jaxamp.GradScaler().scale(_dot_loss)  # not the same kind of wrapper
+
+
+@pytest.mark.parametrize("dtype, want", [(jnp.float16, jnp.float32), (jnp.float32, jnp.float32),
+                                         (jnp.float64, jnp.float64)])
+def test_a_divided_loss_keeps_its_precision_with_64_bit_floats_on(dtype, want):
+  from tests._floats import enable_x64
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)}, accumulative_counts=4)
+  divided = opt.scale_loss(lambda p: jnp.asarray(3.0, dtype))
+  with enable_x64():
+    loss = divided({"w": jnp.zeros(2)})
+  assert loss.dtype == want and float(loss) == 0.75
+
+
+def _half_loss(p, x):
+  return _dot_loss(p, x).astype(jnp.float16)
+
+
+def test_a_half_precision_loss_is_divided_in_float32_under_strict_promotion():
+  # conftest sets jax_numpy_dtype_promotion=strict, where float16 and float32 do not mix implicitly.
+  opt = jaxamp.OptimWrapper(optax.sgd(1.0), {"w": jnp.zeros(2)}, accumulative_counts=2)
+  loss = opt.scale_loss(_half_loss)({"w": jnp.ones(2)}, jnp.array([1.0, 2.0]))
+  assert loss.dtype == jnp.float32 and float(loss) == 1.5
+  opt.update_params(_half_loss, jnp.array([1.0, 2.0]))
+  opt.update_params(_half_loss, jnp.array([1.0, 2.0]))
+  np.testing.assert_allclose(opt.params["w"], [-1.0, -2.0])  # the mean of the window's gradients

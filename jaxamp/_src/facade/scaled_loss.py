@@ -25,7 +25,8 @@ from jaxamp._src import state as state_lib
 def divide(loss: Any, factor: jax.Array) -> jax.Array:
   """``loss / factor``, computed in float32 at least."""
   loss = jnp.asarray(loss)
-  loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+  if not (jnp.issubdtype(loss.dtype, jnp.inexact) and loss.dtype.itemsize >= 4):
+    loss = loss.astype(jnp.float32)  # integers and half precision (explicitly: strict promotion)
   return loss / factor.astype(loss.dtype)
 
 
