@@ -581,3 +581,39 @@ def test_a_half_precision_loss_is_divided_in_float32_under_strict_promotion():
   opt.update_params(_half_loss, jnp.array([1.0, 2.0]))
   opt.update_params(_half_loss, jnp.array([1.0, 2.0]))
   np.testing.assert_allclose(opt.params["w"], [-1.0, -2.0])  # the mean of the window's gradients
+
+
+# -- the scalers' device state, read by jaxamp's state queries ------------------------------------
+
+
+@pytest.mark.parametrize("make", [lambda: jaxamp.GradScaler(init_scale=4.0),
+                                  lambda: jaxamp.paddle.GradScaler(init_loss_scaling=4.0)],
+                         ids=["torch", "paddle"])
+def test_a_scaler_state_passes_validation_and_skip_report_refuses_to_name_leaves(make):
+  scaler = make()
+  assert jaxamp.validate_opt_state(scaler.state) is scaler.state
+  # The facades do not flag leaves (their stall report does): no silent "no bad leaves".
+  with pytest.raises(ValueError, match="counts 0"):
+    jaxamp.skip_report(scaler.state, {"w": jnp.ones(2)})
+
+
+def test_an_infinite_growth_factor_is_refused_by_its_name():
+  with pytest.raises(ValueError, match="growth_factor must be finite, got inf"):
+    jaxamp.GradScaler(growth_factor=float("inf"))
+  scaler = jaxamp.paddle.GradScaler()
+  with pytest.raises(ValueError, match="new_incr_ratio must be finite, got inf"):
+    scaler.set_incr_ratio(float("inf"))
+  assert scaler.get_incr_ratio() == 2.0  # a refused call leaves the scaler unchanged
+
+
+@pytest.mark.parametrize("make", [lambda: jaxamp.GradScaler(init_scale=4.0),
+                                  lambda: jaxamp.paddle.GradScaler(init_loss_scaling=4.0)],
+                         ids=["torch", "paddle"])
+def test_a_state_dict_with_missing_or_foreign_keys_is_refused_by_the_argument_name(make):
+  scaler = make()
+  saved = scaler.state_dict()
+  with pytest.raises(KeyError, match=r"state_dict lacks the keys \['scale'\]"):
+    scaler.load_state_dict({k: v for k, v in saved.items() if k != "scale"})
+  with pytest.raises(ValueError, match=r"state_dict has unexpected keys \['lr'\]"):
+    scaler.load_state_dict({**saved, "lr": 0.1})
+  assert float(scaler.state.scale) == 4.0  # a refused load leaves the scaler unchanged
