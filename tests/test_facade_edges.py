@@ -617,3 +617,12 @@ def test_a_state_dict_with_missing_or_foreign_keys_is_refused_by_the_argument_na
   with pytest.raises(ValueError, match=r"state_dict has unexpected keys \['lr'\]"):
     scaler.load_state_dict({**saved, "lr": 0.1})
   assert float(scaler.state.scale) == 4.0  # a refused load leaves the scaler unchanged
+
+
+def test_a_traced_loss_scaling_factor_is_refused_as_one():
+  msg = "growth_factor must be a real number: .*loss-scaling hyperparameters select code"
+  with pytest.raises(TypeError, match=msg):
+    jax.jit(lambda r: jaxamp.GradScaler(growth_factor=r))(jnp.float32(3.0))
+  scaler = jaxamp.paddle.GradScaler()
+  with pytest.raises(TypeError, match="new_incr_ratio must be a real number: .*loss-scaling"):
+    jax.jit(scaler.set_incr_ratio)(jnp.float32(3.0))
