@@ -626,3 +626,23 @@ def test_a_traced_loss_scaling_factor_is_refused_as_one():
   scaler = jaxamp.paddle.GradScaler()
   with pytest.raises(TypeError, match="new_incr_ratio must be a real number: .*loss-scaling"):
     jax.jit(scaler.set_incr_ratio)(jnp.float32(3.0))
+
+
+def test_adam_betas_and_rmsprop_alpha_read_back_as_written_and_bad_ones_are_refused():
+  adam = jaxamp.build_optim_wrapper({"w": jnp.ones(2)},
+                                    dict(optimizer=dict(type="Adam", lr=0.1, betas=(0.8, 0.95))))
+  assert adam.param_groups[0]["betas"] == pytest.approx((0.8, 0.95))
+  adam.param_groups[0]["betas"] = (0.7, 0.9)
+  assert adam.param_groups[0]["betas"] == pytest.approx((0.7, 0.9))
+  with pytest.raises(TypeError, match="betas must be a pair of numbers"):
+    adam.param_groups[0]["betas"] = (0.7, 0.9, 0.99)
+  with pytest.raises(ValueError, match=r"betas\[1\]"):
+    adam.param_groups[0]["betas"] = (0.7, float("nan"))
+  assert adam.param_groups[0]["betas"] == pytest.approx((0.7, 0.9))
+  rms = jaxamp.build_optim_wrapper({"w": jnp.ones(2)},
+                                   dict(optimizer=dict(type="RMSprop", lr=0.1, alpha=0.9)))
+  assert rms.param_groups[0]["alpha"] == pytest.approx(0.9)
+  rms.param_groups[0]["alpha"] = 0.8
+  assert rms.param_groups[0]["alpha"] == pytest.approx(0.8)
+  with pytest.raises(ValueError, match="alpha"):
+    rms.param_groups[0]["alpha"] = float("inf")
