@@ -721,3 +721,144 @@ def test_numpy_params_set_on_a_wrapper_go_where_the_parameters_are():
   wrapper.params = {"w": np.array([2.0, 3.0], np.float32)}
   assert wrapper.params["w"].sharding == sharding
   np.testing.assert_array_equal(wrapper.params["w"], [2.0, 3.0])
+
+
+# -- loss functions wrapped by scaler.scale and scale_loss ----------------------------------------
+
+
+def _weighted_loss(p, x, *, weight):
+  return weight * _dot_loss(p, x), {"weight": weight}
+
+
+@pytest.mark.parametrize("make", [lambda: jaxamp.GradScaler(init_scale=4.0),
+                                  lambda: jaxamp.paddle.GradScaler(init_loss_scaling=4.0)],
+                         ids=["torch", "paddle"])
+def test_a_scaled_loss_function_takes_keyword_arguments_and_scales_only_the_loss(make):
+  scaled = make().scale(_weighted_loss, has_aux=True)
+  grads, aux = jax.grad(scaled, has_aux=True)({"w": jnp.ones(2)}, jnp.array([1.0, 2.0]), weight=3.0)
+  np.testing.assert_allclose(grads["w"], [12.0, 24.0])  # 4 * 3 * x
+  assert aux == {"weight": 3.0}
+
+
+def test_a_divided_loss_function_takes_keyword_arguments_and_divides_only_the_loss():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.ones(2)}, accumulative_counts=4)
+  loss, aux = opt.scale_loss(_weighted_loss)({"w": jnp.ones(2)}, jnp.array([1.0, 2.0]), weight=2.0)
+  assert float(loss) == 1.5 and aux == {"weight": 2.0}  # 2 * 3 / 4
+
+
+def test_a_divided_scaled_loss_follows_the_scale_as_it_changes():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)}, accumulative_counts=2)
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  for scale in (4.0, 16.0):
+    opt.zero_grad()
+    opt.backward(opt.scale_loss(scaler.scale(_dot_loss)), jnp.ones(2))
+    np.testing.assert_allclose(opt.grads["w"], [scale / 2] * 2)
+    scaler.update(16.0)
+
+
+def test_a_scaled_divided_loss_divides_the_last_short_window_by_its_own_size():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)}, accumulative_counts=2)
+  opt.initialize_count_status(None, 0, 3)  # windows of 2 calls, then of 1
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  for factor in (2.0, 2.0, 1.0):
+    opt.zero_grad()
+    opt.backward(scaler.scale(opt.scale_loss(_dot_loss)), jnp.ones(2))
+    np.testing.assert_allclose(opt.grads["w"], [4.0 / factor] * 2)
+
+
+def test_divided_loss_functions_are_equal_when_they_wrap_the_same_function():
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)})
+  f, g = opt.scale_loss(_dot_loss), opt.scale_loss(_dot_loss)
+  assert f == g and hash(f) == hash(g)
+  assert f != opt.scale_loss(_weighted_loss)
+  assert f != jaxamp.GradScaler().scale(_dot_loss)  # not the same kind of wrapper
+
+
+@pytest.mark.parametrize("dtype, want", [(jnp.float16, jnp.float32), (jnp.float32, jnp.float32),
+                                         (jnp.float64, jnp.float64)])
+def test_a_divided_loss_keeps_its_precision_with_64_bit_floats_on(dtype, want):
+  from tests._floats import enable_x64
+  opt = jaxamp.OptimWrapper(optax.sgd(0.1), {"w": jnp.zeros(2)}, accumulative_counts=4)
+  divided = opt.scale_loss(lambda p: jnp.asarray(3.0, dtype))
+  with enable_x64():
+    loss = divided({"w": jnp.zeros(2)})
+  assert loss.dtype == want and float(loss) == 0.75
+
+
+def _half_loss(p, x):
+  return _dot_loss(p, x).astype(jnp.float16)
+
+
+def test_a_half_precision_loss_is_divided_in_float32_under_strict_promotion():
+  # conftest sets jax_numpy_dtype_promotion=strict, where float16 and float32 do not mix implicitly.
+  opt = jaxamp.OptimWrapper(optax.sgd(1.0), {"w": jnp.zeros(2)}, accumulative_counts=2)
+  loss = opt.scale_loss(_half_loss)({"w": jnp.ones(2)}, jnp.array([1.0, 2.0]))
+  assert loss.dtype == jnp.float32 and float(loss) == 1.5
+  opt.update_params(_half_loss, jnp.array([1.0, 2.0]))
+  opt.update_params(_half_loss, jnp.array([1.0, 2.0]))
+  np.testing.assert_allclose(opt.params["w"], [-1.0, -2.0])  # the mean of the window's gradients
+
+
+# -- the scalers' device state, read by jaxamp's state queries ------------------------------------
+
+
+@pytest.mark.parametrize("make", [lambda: jaxamp.GradScaler(init_scale=4.0),
+                                  lambda: jaxamp.paddle.GradScaler(init_loss_scaling=4.0)],
+                         ids=["torch", "paddle"])
+def test_a_scaler_state_passes_validation_and_skip_report_refuses_to_name_leaves(make):
+  scaler = make()
+  assert jaxamp.validate_opt_state(scaler.state) is scaler.state
+  # The facades do not flag leaves (their stall report does): no silent "no bad leaves".
+  with pytest.raises(ValueError, match="counts 0"):
+    jaxamp.skip_report(scaler.state, {"w": jnp.ones(2)})
+
+
+def test_an_infinite_growth_factor_is_refused_by_its_name():
+  with pytest.raises(ValueError, match="growth_factor must be finite, got inf"):
+    jaxamp.GradScaler(growth_factor=float("inf"))
+  scaler = jaxamp.paddle.GradScaler()
+  with pytest.raises(ValueError, match="new_incr_ratio must be finite, got inf"):
+    scaler.set_incr_ratio(float("inf"))
+  assert scaler.get_incr_ratio() == 2.0  # a refused call leaves the scaler unchanged
+
+
+@pytest.mark.parametrize("make", [lambda: jaxamp.GradScaler(init_scale=4.0),
+                                  lambda: jaxamp.paddle.GradScaler(init_loss_scaling=4.0)],
+                         ids=["torch", "paddle"])
+def test_a_state_dict_with_missing_or_foreign_keys_is_refused_by_the_argument_name(make):
+  scaler = make()
+  saved = scaler.state_dict()
+  with pytest.raises(KeyError, match=r"state_dict lacks the keys \['scale'\]"):
+    scaler.load_state_dict({k: v for k, v in saved.items() if k != "scale"})
+  with pytest.raises(ValueError, match=r"state_dict has unexpected keys \['lr'\]"):
+    scaler.load_state_dict({**saved, "lr": 0.1})
+  assert float(scaler.state.scale) == 4.0  # a refused load leaves the scaler unchanged
+
+
+def test_a_traced_loss_scaling_factor_is_refused_as_one():
+  msg = "growth_factor must be a real number: .*loss-scaling hyperparameters select code"
+  with pytest.raises(TypeError, match=msg):
+    jax.jit(lambda r: jaxamp.GradScaler(growth_factor=r))(jnp.float32(3.0))
+  scaler = jaxamp.paddle.GradScaler()
+  with pytest.raises(TypeError, match="new_incr_ratio must be a real number: .*loss-scaling"):
+    jax.jit(scaler.set_incr_ratio)(jnp.float32(3.0))
+
+
+def test_adam_betas_and_rmsprop_alpha_read_back_as_written_and_bad_ones_are_refused():
+  adam = jaxamp.build_optim_wrapper({"w": jnp.ones(2)},
+                                    dict(optimizer=dict(type="Adam", lr=0.1, betas=(0.8, 0.95))))
+  assert adam.param_groups[0]["betas"] == pytest.approx((0.8, 0.95))
+  adam.param_groups[0]["betas"] = (0.7, 0.9)
+  assert adam.param_groups[0]["betas"] == pytest.approx((0.7, 0.9))
+  with pytest.raises(TypeError, match="betas must be a pair of numbers"):
+    adam.param_groups[0]["betas"] = (0.7, 0.9, 0.99)
+  with pytest.raises(ValueError, match=r"betas\[1\]"):
+    adam.param_groups[0]["betas"] = (0.7, float("nan"))
+  assert adam.param_groups[0]["betas"] == pytest.approx((0.7, 0.9))
+  rms = jaxamp.build_optim_wrapper({"w": jnp.ones(2)},
+                                   dict(optimizer=dict(type="RMSprop", lr=0.1, alpha=0.9)))
+  assert rms.param_groups[0]["alpha"] == pytest.approx(0.9)
+  rms.param_groups[0]["alpha"] = 0.8
+  assert rms.param_groups[0]["alpha"] == pytest.approx(0.8)
+  with pytest.raises(ValueError, match="alpha"):
+    rms.param_groups[0]["alpha"] = float("inf")

@@ -3,11 +3,12 @@
 JAX has no ``loss.backward()``: the facades take a loss *function* and
 differentiate it. ``scaler.scale(loss_fn)`` and ``wrapper.scale_loss(loss_fn)``
 return such a function with its loss multiplied or divided. Both are pytrees
-whose only child is the factor (a float32 device scalar) and whose static
-part is the wrapped function, so passing them to a jitted step brings the
-current factor in as a traced argument: the step compiles once while the
-scale changes. Losses in float16/bfloat16 are promoted to float32 first
-(65536 is not a finite float16).
+whose child is the factor (a float32 device scalar) and whose static part is
+the wrapped function; a wrapped ``ScaledLoss`` or ``DividedLoss`` (one inside
+the other, in either order) is a second child, so its factor is traced too.
+Passing them to a jitted step therefore brings the current factors in as
+traced arguments: the step compiles once while the scale changes. Losses in
+float16/bfloat16 are promoted to float32 first (65536 is not a finite float16).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from jaxamp._src import state as state_lib
 def divide(loss: Any, factor: jax.Array) -> jax.Array:
   """``loss / factor``, computed in float32 at least."""
   loss = jnp.asarray(loss)
-  loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+  if not (jnp.issubdtype(loss.dtype, jnp.inexact) and loss.dtype.itemsize >= 4):
+    loss = loss.astype(jnp.float32)  # integers and half precision (explicitly: strict promotion)
   return loss / factor.astype(loss.dtype)
 
 
@@ -113,9 +115,16 @@ class ScaledLoss:
     return f"ScaledLoss({self.fn!r}, has_aux={self.has_aux})"
 
 
-jax.tree_util.register_pytree_node(
-    ScaledLoss, lambda f: ((f.scale,), (f.fn, f.scaler, f.has_aux)),
-    lambda aux, children: ScaledLoss(*aux, children[0]))
+def _flatten_scaled(f: ScaledLoss) -> tuple:
+  if isinstance(f.fn, (ScaledLoss, DividedLoss)):
+    # A wrapped wrapper is a child: its own factor is traced too, not frozen as static data.
+    return (f.scale, f.fn), (None, f.scaler, f.has_aux)
+  return (f.scale,), (f.fn, f.scaler, f.has_aux)
+
+
+def _unflatten_scaled(aux: tuple, children: tuple) -> ScaledLoss:
+  fn, scaler, has_aux = aux
+  return ScaledLoss(children[1] if len(children) == 2 else fn, scaler, has_aux, children[0])
 
 
 class DividedLoss:
@@ -145,5 +154,15 @@ class DividedLoss:
     return hash((DividedLoss, self.fn))
 
 
-jax.tree_util.register_pytree_node(
-    DividedLoss, lambda f: ((f.factor,), f.fn), lambda fn, children: DividedLoss(fn, children[0]))
+def _flatten_divided(f: DividedLoss) -> tuple:
+  if isinstance(f.fn, (ScaledLoss, DividedLoss)):
+    return (f.factor, f.fn), None
+  return (f.factor,), f.fn
+
+
+def _unflatten_divided(fn: Any, children: tuple) -> DividedLoss:
+  return DividedLoss(children[1] if len(children) == 2 else fn, children[0])
+
+
+jax.tree_util.register_pytree_node(ScaledLoss, _flatten_scaled, _unflatten_scaled)
+jax.tree_util.register_pytree_node(DividedLoss, _flatten_divided, _unflatten_divided)
