@@ -303,11 +303,18 @@ def scale_loss(loss: jax.Array, opt_state: optax.OptState) -> jax.Array:
   return multiply_by_scale(loss, loss_scale(opt_state))
 
 
-def multiply_by_scale(loss: Any, scale: Any) -> jax.Array:
-  """``loss * scale``, with an integer or half-precision loss promoted to float32 first."""
+def loss_in_float32_at_least(loss: Any) -> jax.Array:
+  """``loss`` as an array, an integer or half-precision one cast to float32 (explicitly, so
+  that strict dtype promotion accepts it); float32, float64 and complex losses as they are."""
   loss = jnp.asarray(loss)
   if not (jnp.issubdtype(loss.dtype, jnp.inexact) and loss.dtype.itemsize >= 4):
-    loss = loss.astype(jnp.float32)  # integers and half precision
+    loss = loss.astype(jnp.float32)
+  return loss
+
+
+def multiply_by_scale(loss: Any, scale: Any) -> jax.Array:
+  """``loss * scale``, with an integer or half-precision loss promoted to float32 first."""
+  loss = loss_in_float32_at_least(loss)
   return loss * jnp.asarray(scale).astype(loss.dtype)
 
 

@@ -17,16 +17,13 @@ import contextlib
 from typing import Any, Callable, Iterator, Optional
 
 import jax
-import jax.numpy as jnp
 
 from jaxamp._src import state as state_lib
 
 
 def divide(loss: Any, factor: jax.Array) -> jax.Array:
   """``loss / factor``, computed in float32 at least."""
-  loss = jnp.asarray(loss)
-  if not (jnp.issubdtype(loss.dtype, jnp.inexact) and loss.dtype.itemsize >= 4):
-    loss = loss.astype(jnp.float32)  # integers and half precision (explicitly: strict promotion)
+  loss = state_lib.loss_in_float32_at_least(loss)
   return loss / factor.astype(loss.dtype)
 
 
