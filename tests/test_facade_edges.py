@@ -862,3 +862,93 @@ def test_adam_betas_and_rmsprop_alpha_read_back_as_written_and_bad_ones_are_refu
   assert rms.param_groups[0]["alpha"] == pytest.approx(0.8)
   with pytest.raises(ValueError, match="alpha"):
     rms.param_groups[0]["alpha"] = float("inf")
+
+
+# -- hyperparameters written and read through param_groups ----------------------------------------
+
+
+def _torch_adam(grads, lr, b1, b2, eps=1e-8):
+  """PyTorch's Adam on one scalar starting at 1, in float64 (optax's adam is the same rule)."""
+  p, m, v = 1.0, 0.0, 0.0
+  for t, g in enumerate(grads, 1):
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    p -= lr / (1 - b1**t) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + eps)
+  return p
+
+
+def _torch_rmsprop(grads, lr, alpha, eps=1e-8):
+  """PyTorch's RMSprop (no momentum, not centered) on one scalar starting at 1, in float64."""
+  p, v = 1.0, 0.0
+  for g in grads:
+    v = alpha * v + (1 - alpha) * g * g
+    p -= lr * g / (np.sqrt(v) + eps)
+  return p
+
+
+_GRADS = [1.0, 0.1, 0.5]  # changing gradients: the betas and alpha change every step
+
+
+def _lion(grads, lr, b1, b2):
+  """optax's lion (no weight decay) on one scalar starting at 1, in float64."""
+  p, m = 1.0, 0.0
+  for g in grads:
+    p -= lr * np.sign(b1 * m + (1 - b1) * g)
+    m = b2 * m + (1 - b2) * g
+  return p
+
+
+def test_betas_written_through_a_param_group_drive_the_next_steps():
+  adam = jaxamp.build_optim_wrapper({"w": jnp.ones(1)}, dict(optimizer=dict(type="Adam", lr=0.1)))
+  adam.param_groups[0]["betas"] = (0.6, 0.8)
+  for g in _GRADS:
+    adam.update_params(_linear, jnp.float32(g))
+  np.testing.assert_allclose(float(adam.params["w"][0]), _torch_adam(_GRADS, 0.1, 0.6, 0.8),
+                             rtol=1e-5)
+  # An injected optax optimizer's b1 and b2 read as betas. (Lion: optax's adam with injected
+  # betas takes b1 ** count, which mixes float32 and int32 and needs standard promotion.)
+  lion = jaxamp.OptimWrapper(
+      optax.inject_hyperparams(optax.lion)(learning_rate=0.1, weight_decay=0.0),
+      {"w": jnp.ones(1)})
+  lion.param_groups[0]["betas"] = (0.6, 0.8)
+  grads = [1.0, -0.1, -0.2, -0.5]  # the signs of the updates tell (0.6, 0.8) from other betas
+  for g in grads:
+    lion.update_params(_linear, jnp.float32(g))
+  np.testing.assert_allclose(float(lion.params["w"][0]), _lion(grads, 0.1, 0.6, 0.8), rtol=1e-5)
+
+
+def test_rmsprop_alpha_written_through_a_param_group_drives_the_next_steps():
+  wrapper = jaxamp.build_optim_wrapper({"w": jnp.ones(1)},
+                                       dict(optimizer=dict(type="RMSprop", lr=0.01)))
+  wrapper.param_groups[0]["alpha"] = 0.8
+  for g in _GRADS:
+    wrapper.update_params(_linear, jnp.float32(g))
+  np.testing.assert_allclose(float(wrapper.params["w"][0]), _torch_rmsprop(_GRADS, 0.01, 0.8),
+                             rtol=1e-5)
+
+
+def test_param_groups_read_the_hyperparameters_a_loaded_state_holds():
+  # Groups saved without their betas/alpha: the loaded optax state holds the saved values, and
+  # param_groups read them from there (not the values this wrapper was built with).
+  for cfg, key, saved_value in [(dict(type="Adam", lr=0.1, betas=(0.6, 0.8)), "betas", (0.6, 0.8)),
+                                (dict(type="RMSprop", lr=0.1, alpha=0.7), "alpha", 0.7)]:
+    saved = jaxamp.build_optim_wrapper({"w": jnp.ones(2)}, dict(optimizer=cfg))
+    state_dict = saved.state_dict()
+    del state_dict["param_groups"][0][key]
+    fresh = jaxamp.build_optim_wrapper({"w": jnp.ones(2)},
+                                       dict(optimizer=dict(type=cfg["type"], lr=0.1)))
+    fresh.load_state_dict(state_dict)
+    assert fresh.param_groups[0][key] == pytest.approx(saved_value)
+
+
+@pytest.mark.parametrize("cfg, key", [(dict(type="SGD", lr=0.1, momentum=0.9), "lr"),
+                                      (dict(type="SGD", lr=0.1, momentum=0.9), "momentum"),
+                                      (dict(type="Adam", lr=0.1), "eps"),
+                                      (dict(type="RMSprop", lr=0.1), "alpha")])
+def test_a_negative_hyperparameter_written_later_is_refused_as_at_construction(cfg, key):
+  with pytest.raises(ValueError):  # PyTorch's constructors refuse it
+    jaxamp.build_optim_wrapper({"w": jnp.ones(2)}, dict(optimizer=dict(cfg, **{key: -0.5})))
+  wrapper = jaxamp.build_optim_wrapper({"w": jnp.ones(2)}, dict(optimizer=cfg))
+  before = wrapper.param_groups[0][key]
+  with pytest.raises(ValueError, match=rf"^param_groups\[0\]\['{key}'\]: .*>= 0, got -0.5"):
+    wrapper.param_groups[0][key] = -0.5
+  assert wrapper.param_groups[0][key] == before
