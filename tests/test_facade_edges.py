@@ -952,3 +952,51 @@ def test_a_negative_hyperparameter_written_later_is_refused_as_at_construction(c
   with pytest.raises(ValueError, match=rf"^param_groups\[0\]\['{key}'\]: .*>= 0, got -0.5"):
     wrapper.param_groups[0][key] = -0.5
   assert wrapper.param_groups[0][key] == before
+
+
+def _sgd_with_b1(learning_rate, b1):
+  """An optax optimizer whose hyperparameters include a b1 but no b2."""
+  return optax.sgd(learning_rate, momentum=b1)
+
+
+def test_an_injected_optax_optimizer_lists_its_scalar_hyperparameters_by_pytorch_names():
+  adam = jaxamp.OptimWrapper(optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+                             {"w": jnp.ones(2)})
+  group = adam.param_groups[0]
+  assert set(group) == {"params", "lr", "betas", "eps", "eps_root"}  # b1, b2 read as betas
+  assert group["lr"] == pytest.approx(0.1) and group["betas"] == pytest.approx((0.9, 0.999))
+  # A b1 without a b2 is no pair: it keeps its optax name.
+  sgd = jaxamp.OptimWrapper(optax.inject_hyperparams(_sgd_with_b1)(learning_rate=0.1, b1=0.5),
+                            {"w": jnp.ones(2)})
+  assert dict(sgd.param_groups[0]) == {"params": ["w"], "lr": 0.1, "b1": 0.5}
+  sgd.update_params(_linear, jnp.float32(1.0))
+  sgd.param_groups[0]["b1"] = 0.25
+  sgd.update_params(_linear, jnp.float32(1.0))  # momentum 0.25: the buffer goes 1, 1.25
+  np.testing.assert_allclose(sgd.params["w"], [1.0 - 0.1 * (1.0 + 1.25)] * 2, rtol=1e-6)
+  # A hyperparameter given per coordinate is no group entry; the state still saves and loads.
+  decay = jnp.array([0.0, 0.5])
+  adamw = jaxamp.OptimWrapper(
+      optax.inject_hyperparams(optax.adamw)(learning_rate=0.1, weight_decay=decay),
+      {"w": jnp.ones(2)})
+  assert "weight_decay" not in adamw.param_groups[0]
+  adamw.load_state_dict(adamw.state_dict())
+  np.testing.assert_array_equal(adamw.opt_state.hyperparams["weight_decay"], [0.0, 0.5])
+
+
+def test_a_hyperparameter_written_between_steps_compiles_nothing_again():
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec
+  from tests._floats import enable_x64
+  from tests._tracing import trace_counts
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Explicit,))
+  on_mesh = {"w": jax.device_put(jnp.ones(2), NamedSharding(mesh, PartitionSpec("d")))}
+  # On an explicit mesh (placements are part of the traced types), and with 64-bit floats on
+  # (a Python float would be float64 there): the written value keeps the state's placement and
+  # dtype, so the step is traced once.
+  for params, x64 in [(on_mesh, False), ({"w": jnp.ones(2, jnp.float32)}, True)]:
+    with enable_x64(x64):
+      wrapper = jaxamp.build_optim_wrapper(params, dict(optimizer=dict(type="SGD", lr=0.5)))
+      wrapper.update_params(_linear, jnp.float32(1.0))
+      wrapper.param_groups[0]["lr"] = 0.25
+      wrapper.update_params(_linear, jnp.float32(1.0))
+      assert dict(trace_counts(wrapper)) == {"fused": 1}
+      np.testing.assert_allclose(wrapper.params["w"], [0.25, 0.25])
