@@ -1000,3 +1000,56 @@ def test_a_hyperparameter_written_between_steps_compiles_nothing_again():
       wrapper.update_params(_linear, jnp.float32(1.0))
       assert dict(trace_counts(wrapper)) == {"fused": 1}
       np.testing.assert_allclose(wrapper.params["w"], [0.25, 0.25])
+
+
+# -- the parameter and state trees users hand to a wrapper ----------------------------------------
+
+
+def test_numpy_params_given_to_a_wrapper_are_copied_to_the_device():
+  for make in (lambda p: jaxamp.OptimWrapper(optax.sgd(0.5), p),
+               lambda p: jaxamp.build_optim_wrapper(p, dict(optimizer=dict(type="SGD", lr=0.5)))):
+    mine = np.ones(2, np.float32)
+    wrapper = make({"w": mine})
+    mine[:] = 7.0  # the caller's array is the caller's own
+    assert isinstance(wrapper.params["w"], jax.Array)
+    np.testing.assert_array_equal(wrapper.params["w"], [1.0, 1.0])
+
+
+def test_a_loaded_state_casts_numbers_only_and_refuses_other_leaves_by_name():
+  wrapper = jaxamp.OptimWrapper(optax.adam(0.1), {"w": jnp.ones(2)})
+  saved = wrapper.state_dict()
+  adam, empty = saved["state"]
+
+  def load(count):
+    wrapper.load_state_dict(dict(saved, state=(adam._replace(count=count), empty)))
+
+  load(np.int64(5))  # a number (Python or numpy scalar) is cast to the leaf's dtype
+  assert wrapper.opt_state[0].count.dtype == jnp.int32 and int(wrapper.opt_state[0].count) == 5
+  # An array is loaded in its leaf's dtype only, a float is no count, and a string no array.
+  with pytest.raises(ValueError, match=r"\.count must have shape \(\) and dtype int32, got shape "
+                                       r"\(\) and dtype int64"):
+    load(np.asarray(6, np.int64))
+  with pytest.raises(ValueError, match=r"\.count must have shape \(\) and dtype int32, got shape "
+                                       r"\(\) and dtype float64"):
+    load(6.0)
+  with pytest.raises(TypeError, match=r"\.count must be an array, got str"):
+    load("6")
+  assert int(wrapper.opt_state[0].count) == 5  # the refused loads changed nothing
+
+
+def test_an_optimizer_whose_init_returns_numpy_arrays_loads_a_saved_state():
+  # optax allows any arrays in a state: this one starts as numpy, and leaves each step on the device.
+  def init(params):
+    del params
+    return {"seen": np.zeros([], np.int32)}
+
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda g: -0.1 * g, updates), {"seen": state["seen"] + 1}
+
+  wrapper = jaxamp.OptimWrapper(optax.GradientTransformation(init, update), {"w": jnp.ones(2)})
+  saved = wrapper.state_dict()
+  wrapper.load_state_dict(dict(saved, state={"seen": 3}))
+  wrapper.update_params(_linear, jnp.float32(1.0))
+  assert int(wrapper.opt_state["seen"]) == 4
+  np.testing.assert_allclose(wrapper.params["w"], [0.9, 0.9])
