@@ -1053,3 +1053,18 @@ def test_an_optimizer_whose_init_returns_numpy_arrays_loads_a_saved_state():
   wrapper.update_params(_linear, jnp.float32(1.0))
   assert int(wrapper.opt_state["seen"]) == 4
   np.testing.assert_allclose(wrapper.params["w"], [0.9, 0.9])
+
+
+@pytest.mark.parametrize("make", [lambda: jaxamp.GradScaler(init_scale=4.0),
+                                  lambda: jaxamp.paddle.GradScaler(init_loss_scaling=4.0)],
+                         ids=["torch", "paddle"])
+def test_a_scaled_loss_with_aux_passed_to_a_jitted_step_scales_only_the_loss(make):
+  scaled = make().scale(_weighted_loss, has_aux=True)
+
+  @jax.jit
+  def step(loss_fn, params, x):  # the scaled loss is an argument: its scale comes in traced
+    return jax.grad(loss_fn, has_aux=True)(params, x, weight=3.0)
+
+  grads, aux = step(scaled, {"w": jnp.ones(2)}, jnp.array([1.0, 2.0]))
+  np.testing.assert_allclose(grads["w"], [12.0, 24.0])  # 4 * 3 * x
+  assert aux == {"weight": 3.0}
