@@ -144,6 +144,60 @@ def test_batchnorm_warning():
     wrapper.initialize_count_status(model, 0, 4)
 
 
+def _nnx_model_with_batch_norm():
+  from flax import nnx
+
+  class Model(nnx.Module):
+
+    def __init__(self):
+      self.bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))  # named 'bn': found by its type
+
+  return Model()
+
+
+def _equinox_model_with_batch_norm():
+  import equinox as eqx
+  return eqx.nn.Sequential([eqx.nn.Linear(2, 2, key=jax.random.key(0)),
+                            eqx.nn.BatchNorm(2, axis_name="batch", mode="batch")])
+
+
+class BatchNorm2d:
+  """A BatchNorm layer that is no pytree (a framework jax does not know)."""
+
+
+# How each library's models show their BatchNorm layers: by type (nnx, equinox, an unknown
+# object), Flax linen's 'batch_stats' collection (layer named 'bn'), Haiku's 'batch_norm'
+# module names, and linen's default 'BatchNorm_0' names.
+BATCH_NORM_MODELS = {
+    "nnx": _nnx_model_with_batch_norm,
+    "equinox": _equinox_model_with_batch_norm,
+    "object": lambda: [BatchNorm2d()],
+    "linen_batch_stats": lambda: {"params": {"bn": {"scale": jnp.ones(2)}},
+                                  "batch_stats": {"bn": {"mean": jnp.zeros(2)}}},
+    "haiku": lambda: {"mlp/~/batch_norm": {"scale": jnp.ones(2)}},
+    "linen_params": lambda: {"BatchNorm_0": {"scale": jnp.ones(2)}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_NORM_MODELS))
+def test_batchnorm_warning_finds_the_layers_of_each_library_and_only_when_accumulating(name):
+  model = BATCH_NORM_MODELS[name]()
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), w_params(), accumulative_counts=2)
+  with pytest.warns(UserWarning, match="Gradient accumulative may slightly decrease performance"):
+    wrapper.initialize_count_status(model, 0, 4)
+  # As mmengine: without accumulation there is nothing to warn about (filterwarnings=error).
+  jaxamp.OptimWrapper(optax.sgd(0.1), w_params()).initialize_count_status(model, 0, 4)
+
+
+def test_no_batchnorm_warning_for_models_without_batch_norm_or_that_jax_cannot_flatten():
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), w_params(), accumulative_counts=2)
+  models = [None, {"backbone": {"norm": {"scale": jnp.ones(2)}}, "batch": jnp.ones(2)},
+            {"w": jnp.ones(2), 0: jnp.ones(2)}]  # mixed keys: jax cannot sort them
+  for model in models:  # no warning (filterwarnings=error), and the counts are set
+    wrapper.initialize_count_status(model, 0, 5)
+    assert wrapper._max_counts == 5 and wrapper.inner_count == 0  # mmengine's attribute
+
+
 def test_bad_accumulative_counts():
   with pytest.raises(AssertionError, match="at least greater than or equal to 1"):
     jaxamp.OptimWrapper(optax.sgd(0.1), w_params(), accumulative_counts=0)
@@ -400,9 +454,9 @@ def test_error_if_nonfinite_raises_and_keeps_state():
 
 def test_get_lr_needs_injected_hyperparameters():
   wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), w_params())
-  with pytest.raises(ValueError, match="inject_hyperparams"):
+  with pytest.raises(ValueError, match="Cannot read the learning rate .*inject_hyperparams"):
     wrapper.get_lr()
-  with pytest.raises(ValueError, match="inject_hyperparams"):
+  with pytest.raises(ValueError, match="Cannot read the momentum .*inject_hyperparams"):
     wrapper.get_momentum()
   assert [dict(g) for g in wrapper.param_groups] == [{"params": ["w"]}]
   assert wrapper.defaults == {}
@@ -447,6 +501,41 @@ def test_a_hyperparameter_the_state_does_not_hold_is_refused_not_ignored():
   np.testing.assert_allclose(sgd.params["w"], 1.0 - 0.01 * np.asarray(X))
 
 
+def test_get_momentum_is_zero_for_an_optimizer_without_momentum():
+  # As mmengine for torch's Adagrad, whose groups hold neither 'momentum' nor 'betas'.
+  wrapper = jaxamp.build_optim_wrapper(w_params(), dict(optimizer=dict(type="Adagrad", lr=0.1)))
+  assert wrapper.get_momentum() == {"momentum": [0]}
+  sgd = jaxamp.OptimWrapper(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), w_params())
+  assert sgd.get_momentum() == {"momentum": [0]}
+
+
+def test_repr_is_mmengine_s():
+  opt = optax.sgd(0.1)
+  wrapper = jaxamp.OptimWrapper(opt, w_params(), accumulative_counts=2)
+  # mmengine: the type, the accumulation, then repr(optim_wrapper.optimizer).
+  assert repr(wrapper.optimizer) == repr(opt)
+  assert repr(wrapper) == ("Type: OptimWrapper\n_accumulative_counts: 2\noptimizer: \n"
+                           f"{wrapper.optimizer!r}\n")
+
+
+def test_optimizer_state_dict_round_trip():
+  # What mmengine's checkpoint hooks call on optim_wrapper.optimizer.
+  opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+  wrapper = jaxamp.OptimWrapper(opt, w_params())
+  wrapper.update_params(loss_fn, X)
+  saved = copy.deepcopy(wrapper.optimizer.state_dict())
+  assert set(saved) == {"state", "param_groups"}
+  snapshot = wrapper.opt_state
+  wrapper.update_params(loss_fn, X)
+  wrapper.param_groups[0]["lr"] = 0.5
+  wrapper.optimizer.load_state_dict(saved)
+  jax.tree.map(np.testing.assert_array_equal, wrapper.opt_state, snapshot)
+  assert wrapper.get_lr() == {"lr": [0.1]}
+  with pytest.raises(ValueError, match="unexpected \\['base_param_settings'\\]"):
+    wrapper.optimizer.load_state_dict(dict(saved, base_param_settings={"params": []}))
+  jax.tree.map(np.testing.assert_array_equal, wrapper.opt_state, snapshot)
+
+
 def test_state_dict_round_trip():
   opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
   wrapper = jaxamp.OptimWrapper(opt, w_params(), clip_grad=dict(max_norm=1.0))
@@ -482,18 +571,25 @@ def test_bad_state_dicts_change_nothing():
                            good["state"])
   bad_dtype = jax.tree.map(lambda x: x.astype(jnp.float16) if x.dtype == jnp.float32 else x,
                            good["state"])
+  nan_trace = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan) if x.ndim else x, good["state"])
   cases = [
       ({"state": good["state"]}, ValueError, "missing \\['param_groups'\\]"),
       (dict(good, extra=1), ValueError, "unexpected \\['extra'\\]"),
       ({"state": sgd_state, "param_groups": good["param_groups"]}, ValueError,
        "different optimizer"),
-      ({"state": bad_shape, "param_groups": good["param_groups"]}, ValueError, "shape"),
+      ({"state": bad_shape, "param_groups": good["param_groups"]}, ValueError,
+       r"state_dict\['state'\] leaf .*trace\['w'\] must have shape \(2,\)"),
       ({"state": bad_dtype, "param_groups": good["param_groups"]}, ValueError, "dtype"),
       ({"state": good["state"], "param_groups": good["param_groups"] * 2}, ValueError,
        "different number of parameter groups"),
       ({"state": good["state"], "param_groups": [{"params": ["v"], "lr": 0.5}]}, ValueError,
        "doesn't match"),
       ([1, 2], TypeError, "dict"),
+      # Values a run cannot go on from (a diverged run's checkpoint, a corrupted one).
+      ({"state": nan_trace, "param_groups": good["param_groups"]}, ValueError,
+       r"inf or nan at .*trace\['w'\]"),
+      ({"state": good["state"]._replace(count=jnp.int32(-1)), "param_groups":
+        good["param_groups"]}, ValueError, "count must be an int >= 0, got -1"),
   ]
   for sd, err, match in cases:
     with pytest.raises(err, match=match):
