@@ -687,6 +687,24 @@ def test_scale_loss_of_a_function_and_zero_grad_to_zeros():
   np.testing.assert_allclose(wrapper.params["w"], 1 - np.asarray(X) / 4)
 
 
+def test_scale_loss_of_an_array_divides_as_torch():
+  # torch's true division: a floating loss keeps its dtype, a bool or integer one (an error count,
+  # say) is divided in float32, and a Python number is divided too.
+  wrapper = jaxamp.OptimWrapper(optax.sgd(1.0), w_params(), accumulative_counts=4)
+  cases = [(2.0, [0.5], jnp.float32), (np.float32(2.0), [0.5], jnp.float32),
+           (jnp.asarray(2.0, jnp.float16), [0.5], jnp.float16),
+           (jnp.asarray(2.0, jnp.bfloat16), [0.5], jnp.bfloat16),
+           (jnp.asarray([True, False]), [0.25, 0.0], jnp.float32),
+           (jnp.asarray([2, 6], jnp.int8), [0.5, 1.5], jnp.float32)]
+  for loss, expected, dtype in cases:
+    scaled = wrapper.scale_loss(loss)
+    assert scaled.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(scaled, np.float32).reshape(-1), expected)
+  # A window longer than the loss dtype's range.
+  long = jaxamp.OptimWrapper(optax.sgd(1.0), w_params(), accumulative_counts=300)
+  np.testing.assert_allclose(long.scale_loss(jnp.asarray([120], jnp.int8)), [0.4], rtol=1e-7)
+
+
 @pytest.mark.parametrize("clip", [None, dict(max_norm=1.0), dict(type="value", clip_value=0.5)])
 def test_external_skip_by_cond_is_bit_identical_to_the_select(clip):
   params = {"w": jnp.asarray([1.0, -0.0, 0.5], jnp.float32)}

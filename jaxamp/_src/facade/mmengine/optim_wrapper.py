@@ -493,7 +493,9 @@ class OptimWrapper:
     ``loss`` is an array (returns ``loss / factor``) or a loss function
     (returns a function whose loss is divided; with ``has_aux`` outputs only
     the loss is divided). The factor is ``accumulative_counts``, or the size of
-    the last window after :meth:`initialize_count_status`.
+    the last window after :meth:`initialize_count_status`. As torch's
+    division, a floating loss keeps its dtype; a bool or integer one is
+    divided in float32.
 
     Raises:
       AssertionError: (also a ``RuntimeError``) past ``max_counts``.
@@ -502,7 +504,10 @@ class OptimWrapper:
     if callable(loss) and not trees.is_array(loss):
       return DividedLoss(loss, self._factor(float(factor)))
     loss = jnp.asarray(loss)
-    return loss / jnp.asarray(factor, loss.dtype)
+    if not jnp.issubdtype(loss.dtype, jnp.inexact):
+      # As torch's true division: an integer or bool loss is divided in float32.
+      loss = jnp.asarray(loss, jnp.float32)
+    return loss / factor  # a Python int: the loss keeps its floating dtype
 
   # -- backward / step ------------------------------------------------------------------------
 
