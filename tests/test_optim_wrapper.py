@@ -289,6 +289,23 @@ def test_update_params_loop_compiles_once_and_never_syncs():
   assert wrapper.inner_count == 100 and wrapper.grads is None
 
 
+class StepLoggingWrapper(jaxamp.OptimWrapper):
+  """A subclass outside jaxamp overriding step, as mmengine users write them."""
+
+  def step(self, closure=None, **kwargs):
+    self.steps.append(kwargs)
+    super().step(closure)
+
+
+def test_update_params_calls_a_subclass_step_with_step_kwargs():
+  wrapper = StepLoggingWrapper(optax.sgd(0.5), w_params())
+  wrapper.steps = []
+  wrapper.update_params(loss_fn, X)
+  wrapper.update_params(loss_fn, X, step_kwargs=dict(tag="ema"))
+  assert wrapper.steps == [{}, {"tag": "ema"}]  # as mmengine: self.step(**step_kwargs)
+  np.testing.assert_allclose(wrapper.params["w"], 1.0 - 2 * 0.5 * np.asarray(X))
+
+
 def test_fused_and_unfused_paths_agree():
   grads_list = [jnp.array([1.0, -2.0]), jnp.array([0.5, 0.25]), jnp.array([-1.0, 3.0])]
 
@@ -324,6 +341,10 @@ def test_grads_setter_validates_and_keeps_state():
     with pytest.raises(err, match="grads"):
       wrapper.grads = bad
     assert wrapper.grads is before
+  params = wrapper.params
+  with pytest.raises(ValueError, match=r"^grads leaf \['w'\] must have shape \(2,\)"):
+    wrapper.apply_gradients({"w": jnp.ones(3)})  # the holder protocol's step
+  assert wrapper.params is params and wrapper.grads is before
   wrapper.grads = {"w": np.array([2.0, 4.0], np.float32)}
   assert isinstance(wrapper.grads["w"], jax.Array)
   wrapper.step()
