@@ -259,8 +259,10 @@ def _fp8_loss(v, x):
   return jnp.mean(_Fp8Dense().apply(v, x) ** 2)
 
 
+@pytest.mark.parametrize("unscale_first", [True, False])
 @pytest.mark.parametrize("overflow", [False, True])
-def test_unscale_checks_the_values_flax_fp8_layers_return_and_leaves_them_unscaled(overflow):
+def test_unscale_checks_the_values_flax_fp8_layers_return_and_leaves_them_unscaled(overflow,
+                                                                                 unscale_first):
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 8))
   variables = jax.jit(_Fp8Dense().init)(jax.random.PRNGKey(1), x)
   scale = 2.0**126 if overflow else 2.0**16  # 2**126: the output gradients overflow float32
@@ -272,8 +274,9 @@ def test_unscale_checks_the_values_flax_fp8_layers_return_and_leaves_them_unscal
   wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), variables)
   scaler = jaxamp.GradScaler(init_scale=scale)
   wrapper.backward(scaler.scale(_fp8_loss), x)
-  scaler.unscale_(wrapper)  # PyTorch's recipe: unscale (to clip, say), then step
-  scaler.step(wrapper)
+  if unscale_first:
+    scaler.unscale_(wrapper)  # PyTorch's recipe: unscale (to clip, say), then step
+  scaler.step(wrapper)  # (alone, it unscales, checks and steps in one call)
   scaler.update()
   if overflow:  # skipped, as for an inf gradient: nothing written, the scale backs off
     want, want_scale = variables, scale / 2

@@ -306,6 +306,40 @@ def test_update_params_calls_a_subclass_step_with_step_kwargs():
   np.testing.assert_allclose(wrapper.params["w"], 1.0 - 2 * 0.5 * np.asarray(X))
 
 
+@pytest.mark.parametrize("acc", [1, 2])
+def test_step_or_zero_kwargs_they_do_not_take_are_refused_before_anything_changes(acc):
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.5), w_params(), accumulative_counts=acc)
+  wrapper.backward(loss_fn, X)  # gradients under way (X, not divided by the window)
+  params, grads = wrapper.params, wrapper.grads
+  for kwargs, match in [(dict(step_kwargs=dict(lr=0.1)), r"step_kwargs=\{'lr': 0.1\} do not fit"),
+                        (dict(zero_kwargs=dict(set_to_None=True)),
+                         r"zero_kwargs=\{'set_to_None': True\} do not fit .*zero_grad\(\)")]:
+    with pytest.raises(TypeError, match=match):
+      wrapper.update_params(loss_fn, X, **kwargs)
+    assert wrapper.params is params and wrapper.grads is grads and wrapper.inner_count == 1
+  wrapper.update_params(loss_fn, X, zero_kwargs=dict(set_to_none=True))  # the wrapper carries on
+  assert wrapper.inner_count == 2 and wrapper.grads is None
+  np.testing.assert_allclose(wrapper.params["w"], 1.0 - 0.5 * (1 + 1 / acc) * np.asarray(X))
+
+
+def loss_with_aux(params, x, scale=1.0):
+  y = params["w"] * x
+  return jnp.sum(y) * scale, {"y": y}
+
+
+def test_update_params_passes_has_aux_and_kwargs_in_every_call_of_a_window():
+  # The first call of the window only adds gradients, the second steps: as optax with the mean.
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), w_params(), accumulative_counts=2)
+  for scale in (2.0, 4.0):
+    loss, aux = wrapper.update_params(loss_with_aux, X, has_aux=True, scale=scale)
+    assert float(loss) == 7.0 * scale
+    np.testing.assert_array_equal(aux["y"], X)
+  opt = optax.sgd(0.1)
+  updates, _ = opt.update({"w": 3.0 * X}, opt.init(w_params()))
+  np.testing.assert_allclose(wrapper.params["w"], optax.apply_updates(w_params(), updates)["w"],
+                             rtol=1e-6)
+
+
 def test_fused_and_unfused_paths_agree():
   grads_list = [jnp.array([1.0, -2.0]), jnp.array([0.5, 0.25]), jnp.array([-1.0, 3.0])]
 
@@ -739,3 +773,24 @@ def test_external_skip_by_cond_is_bit_identical_to_the_select(clip):
     got = (wrapper.params, wrapper._state, wrapper.last_grad_norm)
     assert ([np.asarray(x).tobytes() for x in jax.tree.leaves(got)]
             == [np.asarray(x).tobytes() for x in jax.tree.leaves(expected)])
+
+
+def test_apply_scaled_gradients_takes_any_number_as_the_scale_and_compiles_once():
+  # The scalers' step: unscale, check and step in one call, the norm before clipping recorded.
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.5), w_params(), clip_grad=dict(max_norm=10.0))
+  for scale in (1024.0, jnp.float32(1024.0), np.float64(1024.0), 1024):
+    wrapper.grads = {"w": 1024.0 * X}
+    assert not wrapper.apply_scaled_gradients(scale)
+    np.testing.assert_array_equal(wrapper.grads["w"], X)  # read unscaled
+    assert float(wrapper.last_grad_norm) == 5.0
+  np.testing.assert_allclose(wrapper.params["w"], 1.0 - 4 * 0.5 * np.asarray(X))
+  assert trace_counts(wrapper) == {"apply_scaled": 1}
+
+
+def test_a_loss_function_without_array_arguments_written_in_the_loop_warns_it_recompiles():
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.5), w_params())
+  with pytest.warns(RuntimeWarning, match="compiled '<lambda>' again"):
+    for _ in range(2):
+      wrapper.backward(lambda p: jnp.sum(p["w"] ** 2))
+      wrapper.step()
+      wrapper.zero_grad()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -81,6 +82,15 @@ def overrides_iteration(wrapper: Any) -> bool:
     if not owner.__module__.startswith("jaxamp."):
       return True
   return False
+
+
+def check_call_kwargs(method: Callable, kwargs: dict, what: str) -> None:
+  """Raises the ``TypeError`` that ``method(**kwargs)`` would raise, naming ``what``, without a call."""
+  if kwargs:
+    try:
+      inspect.signature(method).bind(**kwargs)
+    except TypeError as e:
+      raise TypeError(f"{what}={kwargs!r} do not fit {method.__qualname__}(): {e}") from None
 
 
 def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
@@ -632,9 +642,16 @@ class OptimWrapper:
     Returns:
       The loss as ``loss_fn`` returned it (before the accumulation factor),
       and the aux output with ``has_aux=True``: device arrays.
+
+    Raises:
+      TypeError: ``step_kwargs`` or ``zero_kwargs`` that :meth:`step` or
+        :meth:`zero_grad` does not take, before anything changes.
     """
     step_kwargs = {} if step_kwargs is None else dict(step_kwargs)
     zero_kwargs = {} if zero_kwargs is None else dict(zero_kwargs)
+    # Refused before anything changes (mmengine raises from step or zero_grad, after backward).
+    check_call_kwargs(self.step, step_kwargs, "step_kwargs")
+    check_call_kwargs(self.zero_grad, zero_kwargs, "zero_kwargs")
     factor = float(self._counter.loss_factor())
     if self.should_sync() and self._can_fuse() and not step_kwargs:
       dynamic, spec = split_call(loss_fn, args, kwargs, has_aux)
@@ -642,7 +659,6 @@ class OptimWrapper:
           self._params, self._state, self.grads, dynamic, self._factor(factor), spec)
       self._counter.inner_count += 1
       self._commit_step(params, state, norm)
-      self._grads = None
       self.zero_grad(**zero_kwargs)
       return out
     out = self.backward(self.scale_loss(loss_fn), *args, has_aux=has_aux, **kwargs)
