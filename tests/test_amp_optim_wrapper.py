@@ -193,6 +193,26 @@ def test_apply_gradients_with_external_skip_keeps_the_scale():
     wrapper.step(closure=lambda: 0.0)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_grad_scaler_stepping_the_wrapper_and_the_wrapper_each_undo_their_own_scale(fused):
+  # The loss is differentiated under both scales; the wrapper's step unscales its own, the
+  # GradScaler's step the other: the step is plain SGD's, the scales as no overflow leaves them.
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.5), w_params(),
+                                   loss_scale=dict(init_scale=1024.0, growth_interval=1))
+  scaler = jaxamp.GradScaler(init_scale=8.0)
+  loss_fn = lambda p, x: jnp.sum(p["w"] * x)  # noqa: E731
+  if fused:  # the wrapper's fused step, under the GradScaler's scale only (as torch without it)
+    wrapper.update_params(scaler.scale(loss_fn), X)
+    np.testing.assert_allclose(wrapper.params["w"], 1.0 - 0.5 * 8.0 * np.asarray(X))
+  else:
+    loss = wrapper.backward(scaler.scale(loss_fn), X)
+    assert float(loss) == 7.0
+    scaler.step(wrapper)
+    scaler.update()
+    np.testing.assert_allclose(wrapper.params["w"], 1.0 - 0.5 * np.asarray(X))
+  assert wrapper.get_scale() == 2048.0
+
+
 # -------------------------------------------------------------------------------------------------
 # State dicts: PyTorch's GradScaler format, round trips, partial and bad loads.
 # -------------------------------------------------------------------------------------------------
