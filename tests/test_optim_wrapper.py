@@ -267,6 +267,19 @@ def test_backward_has_aux_and_kwargs():
   assert float(loss) == 7.0 and wrapper.grads is None
 
 
+def test_has_aux_needs_a_loss_function_returning_a_pair():
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), w_params())
+  triple = lambda p, x: (jnp.sum(p["w"] * x), x, x)  # noqa: E731
+  for bad, match in [(triple, r"must return a pair \(loss, aux\), got tuple"),
+                     (loss_fn, r"must return a pair \(loss, aux\)")]:
+    with pytest.raises(TypeError, match=match):
+      wrapper.backward(bad, X, has_aux=True)
+    with pytest.raises(TypeError, match=match):
+      wrapper.update_params(bad, X, has_aux=True)
+    assert wrapper.grads is None and wrapper.inner_count == 0
+    np.testing.assert_array_equal(wrapper.params["w"], [1.0, 1.0])
+
+
 def test_update_params_loop_compiles_once_and_never_syncs():
   calls = []
 
@@ -279,7 +292,7 @@ def test_update_params_loop_compiles_once_and_never_syncs():
   wrapper.initialize_count_status(None, 0, 100)
   for _ in range(3):  # the first window compiles; the loss factors are cached
     wrapper.update_params(counted, X)
-  with jax.transfer_guard("disallow"):
+  with jax.transfer_guard("disallow_explicit"):  # not even an explicit transfer
     for _ in range(97):
       wrapper.update_params(counted, X)
   traces = dict(trace_counts(wrapper))
