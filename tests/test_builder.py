@@ -185,6 +185,41 @@ def test_defaults_hyperparameters_and_set_lr_without_recompiling():
     # Doubly invalid: mmengine checks paramwise_cfg before the optimizer (a TypeError).
     (dict(optimizer=dict(lr=0.1), paramwise_cfg=["error"]), TypeError,
      "paramwise_cfg should be None or a dict"),
+    (dict(optimizer=dict(type="SGD", lr=0.1, kahan_sum=1)), TypeError,
+     "^kahan_sum must be a bool, got 1$"),
+    (dict(optimizer=dict(type="SGD", lr=0.1, params=["a"])), ValueError,
+     "must not contain 'params'"),
+    # An optax factory does not check weight_decay before it is used to scale the groups.
+    (dict(optimizer=dict(type=optax.adamw, learning_rate=0.1, weight_decay="0.1")), TypeError,
+     "^weight_decay must be a real number, got '0.1' of type str$"),
+    # mmengine: every decay multiplier (custom keys' too) needs an explicit weight_decay.
+    (dict(optimizer=dict(type="SGD", lr=0.1), paramwise_cfg=dict(norm_decay_mult=0.0)),
+     ValueError, "base_wd should not be None"),
+    (dict(optimizer=dict(type="SGD", lr=0.1), paramwise_cfg=dict(dwconv_decay_mult=0.0)),
+     ValueError, "base_wd should not be None"),
+    # Multipliers are refused at once, by their key, rather than as a group's bad lr later.
+    (dict(optimizer=dict(type="SGD", lr=0.1),
+          paramwise_cfg=dict(custom_keys={"a": dict(lr_mult=-1.0)})), ValueError,
+     r"^paramwise_cfg\['custom_keys'\]\['a'\]\['lr_mult'\] must be a finite number >= 0, "
+     r"got -1.0$"),
+    (dict(optimizer=dict(type="SGD", lr=0.1, weight_decay=0.01),
+          paramwise_cfg=dict(custom_keys={"a": dict(decay_mult=-1.0)})), ValueError,
+     r"^paramwise_cfg\['custom_keys'\]\['a'\]\['decay_mult'\] must be a finite number >= 0, "
+     r"got -1.0$"),
+    (dict(optimizer=dict(type="SGD", lr=0.1),
+          paramwise_cfg=dict(custom_keys={"a": dict(lr_mult="2")})), TypeError,
+     r"^paramwise_cfg\['custom_keys'\]\['a'\]\['lr_mult'\] must be a real number"),
+    *[(dict(optimizer=dict(type="SGD", lr=0.1, weight_decay=0.01), paramwise_cfg={key: -1.0}),
+       ValueError, rf"^paramwise_cfg\['{key}'\] must be a finite number >= 0, got -1.0$")
+      for key in ("bias_lr_mult", "bias_decay_mult", "norm_decay_mult", "dwconv_decay_mult",
+                  "flat_decay_mult")],
+    (dict(optimizer=dict(type="SGD", lr=0.1), paramwise_cfg=dict(bias_lr_mult=float("nan"))),
+     ValueError, r"^paramwise_cfg\['bias_lr_mult'\] must be a finite number, got nan$"),
+    # Only wrapper classes (not OptimWrapperDict, which holds several) are wrapper types.
+    (dict(type=jaxamp.OptimWrapperDict, optimizer=dict(type="SGD")), ValueError,
+     "Unknown optim wrapper type"),
+    (dict(type=dict, optimizer=dict(type="SGD")), ValueError, "Unknown optim wrapper type"),
+    (dict(type=3, optimizer=dict(type="SGD")), ValueError, "Unknown optim wrapper type 3"),
 ])
 def test_config_errors(cfg, err, match):
   original = copy.deepcopy(cfg)
@@ -333,3 +368,55 @@ def test_donate_is_accepted_in_the_config():
     assert wrapper.donate
   default = jaxamp.build_optim_wrapper(params, dict(optimizer=dict(type="SGD", lr=0.1)))
   assert not default.donate
+
+
+def test_custom_keys_decay_mult_and_extra_hyperparameters_as_mmengine():
+  params = {"body": {"kernel": jnp.ones((2, 2))}, "head": {"kernel": jnp.ones((2, 2))},
+            "neck": {"kernel": jnp.ones((2, 2))}}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(
+      optimizer=dict(type="SGD", lr=0.1, weight_decay=0.01),
+      paramwise_cfg=dict(custom_keys={"head": dict(decay_mult=0.5, momentum=0.9),
+                                      "neck": dict(lr_mult=0.1)})))
+  groups = {n: g for g in wrapper.optimizer.param_groups for n in g["params"]}
+  # mmengine: lr = base_lr * lr_mult (1 when absent), weight_decay = base_wd * decay_mult (1 when
+  # absent), and every entry of the custom key is copied into the group; the values are the
+  # Python products, as PyTorch keeps them.
+  assert groups["head.kernel"]["lr"] == 0.1
+  assert groups["head.kernel"]["weight_decay"] == 0.01 * 0.5
+  assert groups["head.kernel"]["decay_mult"] == 0.5 and groups["head.kernel"]["momentum"] == 0.9
+  assert groups["neck.kernel"]["lr"] == 0.1 * 0.1 and groups["neck.kernel"]["weight_decay"] == 0.01
+  assert groups["body.kernel"]["momentum"] == 0.0  # the optimizer's default, not set in the cfg
+  grads = jax.tree.map(jnp.ones_like, params)
+  for _ in range(2):
+    wrapper.apply_gradients(grads)
+  expected = {"body": ref_sgd(np.ones((2, 2)), [np.ones((2, 2))] * 2, lr=0.1, weight_decay=0.01),
+              "head": ref_sgd(np.ones((2, 2)), [np.ones((2, 2))] * 2, lr=0.1, weight_decay=0.005,
+                              momentum=0.9),
+              "neck": ref_sgd(np.ones((2, 2)), [np.ones((2, 2))] * 2, lr=0.01,
+                              weight_decay=0.01)}
+  for name, p in expected.items():
+    np.testing.assert_allclose(wrapper.params[name]["kernel"], p, rtol=1e-6, err_msg=name)
+
+
+def test_custom_keys_with_array_or_tuple_values_keep_their_own_groups():
+  params = {k: {"kernel": jnp.ones((2, 2))} for k in ("a", "b", "c", "d", "e")}
+  # Numpy scalars of equal value share a group; of different values they do not, even with
+  # equal bits (an int32 1 and the float32 of the same bits, 1.4e-45).
+  momenta = {"a": np.float32(0.5), "b": np.float32(0.8), "c": np.float32(0.8),
+             "d": np.int32(1), "e": np.int32(1).view(np.float32)}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(
+      optimizer=dict(type="SGD", lr=0.1, momentum=0.1),
+      paramwise_cfg=dict(custom_keys={k: dict(momentum=m) for k, m in momenta.items()})))
+  groups = wrapper.optimizer.param_groups
+  assert [g["params"] for g in groups] == [["a.kernel"], ["b.kernel", "c.kernel"], ["d.kernel"],
+                                           ["e.kernel"]]
+  by_name = {n: g for g in groups for n in g["params"]}
+  for name, m in momenta.items():
+    assert by_name[f"{name}.kernel"]["momentum"] == pytest.approx(float(m), rel=1e-6), name
+  # Tuples (Adam's betas) likewise.
+  betas = {"a": (0.5, 0.9), "b": (0.8, 0.99), "c": (0.8, 0.99)}
+  adam = jaxamp.build_optim_wrapper({k: params[k] for k in betas}, dict(
+      optimizer=dict(type="Adam", lr=0.1),
+      paramwise_cfg=dict(custom_keys={k: dict(betas=b) for k, b in betas.items()})))
+  assert [(g["params"], g["betas"]) for g in adam.optimizer.param_groups] == [
+      (["a.kernel"], (0.5, 0.9)), (["b.kernel", "c.kernel"], (0.8, 0.99))]
