@@ -420,3 +420,73 @@ def test_custom_keys_with_array_or_tuple_values_keep_their_own_groups():
       paramwise_cfg=dict(custom_keys={k: dict(betas=b) for k, b in betas.items()})))
   assert [(g["params"], g["betas"]) for g in adam.optimizer.param_groups] == [
       (["a.kernel"], (0.5, 0.9)), (["b.kernel", "c.kernel"], (0.8, 0.99))]
+
+
+def test_kahan_sum_keeps_the_updates_that_bfloat16_parameters_lose():
+  # Under standard promotion: PyTorch's SGD, as optax's, adds a float32 lr times bfloat16 grads.
+  with jax.numpy_dtype_promotion("standard"):
+    params = {"w": jnp.ones(16, jnp.bfloat16)}
+    grads = {"w": jnp.ones(16, jnp.bfloat16)}
+    lr, steps = 5e-4, 8  # each step is below half a bfloat16 spacing at 1.0 (2**-9)
+    runs = {}
+    for kahan in (None, False, True):
+      optimizer = dict(type="SGD", lr=lr) if kahan is None else dict(type="SGD", lr=lr,
+                                                                      kahan_sum=kahan)
+      wrapper = jaxamp.build_optim_wrapper(params, dict(optimizer=optimizer))
+      for _ in range(steps):
+        wrapper.apply_gradients(grads)
+      assert wrapper.params["w"].dtype == jnp.bfloat16
+      runs[kahan] = np.asarray(wrapper.params["w"], np.float32)
+    # Off by default: the run of plain optax on bfloat16 parameters, where every step is lost.
+    tx, p = optax.sgd(lr), params
+    state = tx.init(p)
+    for _ in range(steps):
+      updates, state = tx.update(grads, state, p)
+      p = optax.apply_updates(p, updates)
+    for kahan in (None, False):
+      np.testing.assert_array_equal(runs[kahan], np.asarray(p["w"], np.float32))
+    assert (runs[None] == 1.0).all()
+    # On: the nearest bfloat16 to the float32 sum of the updates, as with a float32 master copy.
+    master = np.float32(1.0)
+    for _ in range(steps):
+      master = np.float32(master - np.float32(lr))
+    np.testing.assert_array_equal(runs[True], np.float32(jnp.asarray(master, jnp.bfloat16)))
+    assert (runs[True] < 1.0).all()
+
+
+class _MyWrapper(jaxamp.OptimWrapper):
+  pass
+
+
+class _MyAmpWrapper(jaxamp.AmpOptimWrapper):
+  pass
+
+
+def test_a_wrapper_subclass_as_the_type():
+  params = {"w": jnp.ones(2)}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(type=_MyWrapper,
+                                                    optimizer=dict(type="SGD", lr=0.1)))
+  assert type(wrapper) is _MyWrapper
+  amp = jaxamp.build_optim_wrapper(params, dict(type=_MyAmpWrapper, loss_scale=8.0,
+                                                optimizer=dict(type="SGD", lr=0.1)))
+  assert type(amp) is _MyAmpWrapper and amp.get_scale() == 8.0
+  with pytest.raises(TypeError, match=r"_MyWrapper got unexpected config keys \['loss_scale'\]"):
+    jaxamp.build_optim_wrapper(params, dict(type=_MyWrapper, loss_scale=8.0,
+                                            optimizer=dict(type="SGD", lr=0.1)))
+
+
+def test_an_optax_transformation_as_the_optimizer_with_wrapper_arguments():
+  params = {"w": jnp.asarray([1.0, 2.0])}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(optimizer=optax.sgd(0.1),
+                                                    accumulative_counts=2))
+
+  def loss_fn(p, x):
+    return jnp.sum(p["w"] * x)
+
+  xs = [jnp.asarray([1.0, -1.0]), jnp.asarray([3.0, 1.0])]
+  wrapper.update_params(loss_fn, xs[0])
+  np.testing.assert_array_equal(wrapper.params["w"], params["w"])  # accumulating
+  wrapper.update_params(loss_fn, xs[1])
+  # mmengine divides each micro-batch's loss by accumulative_counts: one optax.sgd step on the
+  # mean gradient.
+  np.testing.assert_allclose(wrapper.params["w"], [1.0 - 0.1 * 2.0, 2.0 - 0.1 * 0.0], rtol=1e-6)
