@@ -490,3 +490,39 @@ def test_an_optax_transformation_as_the_optimizer_with_wrapper_arguments():
   # mmengine divides each micro-batch's loss by accumulative_counts: one optax.sgd step on the
   # mean gradient.
   np.testing.assert_allclose(wrapper.params["w"], [1.0 - 0.1 * 2.0, 2.0 - 0.1 * 0.0], rtol=1e-6)
+
+
+def test_optax_factory_decay_rules_against_plain_optax():
+  params = {"dense": {"kernel": jnp.full((2, 2), 2.0), "bias": jnp.full(2, 2.0)}}
+  grads = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}}
+  paramwise = dict(bias_decay_mult=0.5)
+  labels = {"dense": {"kernel": "k", "bias": "b"}}
+  cases = [  # a factory with a learning rate, and one without (decay alone)
+      (dict(type=optax.adamw, learning_rate=0.1, weight_decay=0.2),
+       {"k": optax.adamw(0.1, weight_decay=0.2), "b": optax.adamw(0.1, weight_decay=0.1)}),
+      (dict(type=optax.add_decayed_weights, weight_decay=0.2),
+       {"k": optax.add_decayed_weights(0.2), "b": optax.add_decayed_weights(0.1)}),
+  ]
+  for optimizer, plain in cases:
+    wrapper = jaxamp.build_optim_wrapper(params, dict(optimizer=optimizer,
+                                                      paramwise_cfg=paramwise))
+    groups = {n: g for g in wrapper.optimizer.param_groups for n in g["params"]}
+    assert groups["dense.kernel"]["weight_decay"] == pytest.approx(0.2)
+    assert groups["dense.bias"]["weight_decay"] == pytest.approx(0.1)
+    tx = optax.partition(plain, labels)
+    with jax.numpy_dtype_promotion("standard"):  # optax's adamw mixes an int32 count
+      wrapper.apply_gradients(grads)
+      updates, _ = tx.update(grads, tx.init(params), params)
+    expected = optax.apply_updates(params, updates)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), wrapper.params,
+                 expected)
+
+
+def test_a_two_dimensional_leaf_is_never_a_norm_parameter():
+  params = {"LayerNorm_0": {"scale": jnp.ones(2), "bias": jnp.ones(2)},
+            "norm_proj": {"kernel": jnp.ones((2, 2))}}  # a Dense named after what it feeds
+  wrapper = jaxamp.build_optim_wrapper(params, dict(
+      optimizer=dict(type="SGD", lr=0.1, weight_decay=0.01),
+      paramwise_cfg=dict(norm_decay_mult=0.0)))
+  decay = {n: g["weight_decay"] for g in wrapper.optimizer.param_groups for n in g["params"]}
+  assert decay == {"LayerNorm_0.scale": 0.0, "LayerNorm_0.bias": 0.0, "norm_proj.kernel": 0.01}
