@@ -143,6 +143,10 @@ def test_defaults_hyperparameters_and_set_lr_without_recompiling():
     sgd.param_groups[0]["momentum"] = 0.9  # no momentum buffers were built
 
 
+def _sgd_with_default_lr(learning_rate=0.1):
+  return optax.sgd(learning_rate)
+
+
 @pytest.mark.parametrize("cfg,err,match", [
     (dict(optimizer=dict(type="Lamb")), ValueError, r"Unknown optimizer type 'Lamb'; accepted: "
      r"\['Adagrad', 'Adam', 'AdamW', 'RMSprop', 'SGD'\]"),
@@ -220,6 +224,14 @@ def test_defaults_hyperparameters_and_set_lr_without_recompiling():
      "Unknown optim wrapper type"),
     (dict(type=dict, optimizer=dict(type="SGD")), ValueError, "Unknown optim wrapper type"),
     (dict(type=3, optimizer=dict(type="SGD")), ValueError, "Unknown optim wrapper type 3"),
+    # A factory whose learning rate has a default: a multiplier would scale nothing, silently.
+    (dict(optimizer=dict(type=_sgd_with_default_lr),
+          paramwise_cfg=dict(custom_keys={"a": dict(lr_mult=0.1)})), ValueError,
+     r"^paramwise_cfg\['custom_keys'\]\['a'\]\['lr_mult'\] scales the learning rate, but the "
+     r"optimizer config has no 'learning_rate'"),
+    (dict(optimizer=dict(type=_sgd_with_default_lr), paramwise_cfg=dict(bias_lr_mult=2.0)),
+     ValueError, r"^paramwise_cfg\['bias_lr_mult'\] scales the learning rate, but the optimizer "
+     r"config has no 'learning_rate'"),
 ])
 def test_config_errors(cfg, err, match):
   original = copy.deepcopy(cfg)
@@ -526,3 +538,33 @@ def test_a_two_dimensional_leaf_is_never_a_norm_parameter():
       paramwise_cfg=dict(norm_decay_mult=0.0)))
   decay = {n: g["weight_decay"] for g in wrapper.optimizer.param_groups for n in g["params"]}
   assert decay == {"LayerNorm_0.scale": 0.0, "LayerNorm_0.bias": 0.0, "norm_proj.kernel": 0.01}
+
+
+def test_a_bare_depthwise_convolution_at_the_top_level():
+  # mmengine's root module is a depthwise Conv2d: dwconv_decay_mult applies to its leaves, as it
+  # does to the same convolution one level down.
+  cfg = dict(optimizer=dict(type="SGD", lr=0.1, weight_decay=0.01),
+             paramwise_cfg=dict(dwconv_decay_mult=0.5))
+  for conv in ({"kernel": jnp.ones((3, 3, 1, 4)), "bias": jnp.ones(4)},  # Flax HWIO
+               {"weight": jnp.ones((4, 1, 3, 3)), "bias": jnp.ones(4)}):  # PyTorch OIHW
+    for params, prefix in ((conv, ""), ({"conv": conv}, "conv.")):
+      wrapper = jaxamp.build_optim_wrapper(params, cfg)
+      decay = {n: g["weight_decay"] for g in wrapper.optimizer.param_groups for n in g["params"]}
+      assert decay == {prefix + name: 0.01 * 0.5 for name in conv}, decay
+  # A top level holding a dense kernel is no depthwise convolution.
+  wrapper = jaxamp.build_optim_wrapper({"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}, cfg)
+  assert [g["weight_decay"] for g in wrapper.optimizer.param_groups] == [0.01]
+
+
+def _sgd_with_lr(lr, momentum=0.0):
+  return optax.sgd(lr, momentum)
+
+
+def test_custom_keys_set_an_optax_factorys_own_arguments():
+  params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(
+      optimizer=dict(type=_sgd_with_lr, lr=0.1),
+      paramwise_cfg=dict(custom_keys={".a": dict(lr=0.5)})))
+  wrapper.apply_gradients({"a": jnp.ones(2), "b": jnp.ones(2)})
+  np.testing.assert_allclose(wrapper.params["a"], 0.5, rtol=1e-6)
+  np.testing.assert_allclose(wrapper.params["b"], 0.9, rtol=1e-6)
