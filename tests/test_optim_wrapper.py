@@ -457,8 +457,14 @@ def test_clip_grad_validation(clip_grad, err, match):
 
 def test_clip_grad_dict_not_mutated():
   cfg = dict(type="norm", max_norm=1.0)
-  jaxamp.OptimWrapper(optax.sgd(0.1), w_params(), clip_grad=cfg)
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), w_params(), clip_grad=cfg)
   assert cfg == dict(type="norm", max_norm=1.0)
+  # mmengine's clip_grad_kwargs: the arguments without 'type' (what its clipping is called with).
+  assert wrapper.clip_grad_kwargs == dict(max_norm=1.0)
+  by_value = jaxamp.OptimWrapper(optax.sgd(0.1), w_params(),
+                                 clip_grad=dict(type="value", clip_value=0.5))
+  assert by_value.clip_grad_kwargs == dict(clip_value=0.5)
+  assert jaxamp.OptimWrapper(optax.sgd(0.1), w_params()).clip_grad_kwargs is None
 
 
 def torch_clip_norm(grads, max_norm, norm_type):
@@ -807,3 +813,18 @@ def test_a_loss_function_without_array_arguments_written_in_the_loop_warns_it_re
       wrapper.backward(lambda p: jnp.sum(p["w"] ** 2))
       wrapper.step()
       wrapper.zero_grad()
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_backward_and_apply_gradients_donate_only_with_donate(donate):
+  # donate=True: the gradients backward adds to and the params and state a step replaces are
+  # updated in place (the arrays read before are deleted); donate=False: all stay readable.
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.5, momentum=0.9), w_params(), donate=donate)
+  wrapper.backward(loss_fn, X)
+  grads = wrapper.grads
+  wrapper.backward(loss_fn, X)
+  params, state = wrapper.params, wrapper.opt_state
+  wrapper.apply_gradients()
+  held = [grads["w"], params["w"], jax.tree.leaves(state)[-1]]
+  assert [a.is_deleted() for a in held] == [donate] * 3
+  np.testing.assert_allclose(wrapper.params["w"], 1.0 - 0.5 * 2 * np.asarray(X))
