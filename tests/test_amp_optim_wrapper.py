@@ -189,6 +189,10 @@ def test_apply_gradients_with_external_skip_keeps_the_scale():
   wrapper.apply_gradients({"w": 4.0 * X})  # gradients of the scaled loss: unscaled inside
   np.testing.assert_allclose(wrapper.params["w"], 1 - 0.1 * np.asarray(X), rtol=1e-6)
   assert wrapper.get_scale() == 8.0
+  clipped = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), clip_grad=dict(max_norm=1.0),
+                                   loss_scale=dict(init_scale=4.0))
+  clipped.apply_gradients({"w": 4.0 * X}, skip=jnp.asarray(True))
+  assert float(clipped.last_grad_norm) == 5.0  # the norm of the unscaled gradients, as logged
   with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
     wrapper.step(closure=lambda: 0.0)
 

@@ -828,3 +828,15 @@ def test_backward_and_apply_gradients_donate_only_with_donate(donate):
   held = [grads["w"], params["w"], jax.tree.leaves(state)[-1]]
   assert [a.is_deleted() for a in held] == [donate] * 3
   np.testing.assert_allclose(wrapper.params["w"], 1.0 - 0.5 * 2 * np.asarray(X))
+
+
+def test_a_skippable_step_gives_the_optimizer_the_params():
+  # Weight decay reads the params: with an external skip flag too, the step is optax's.
+  params = w_params((1.0, -2.0))
+  opt = optax.chain(optax.add_decayed_weights(0.5), optax.sgd(0.1))
+  updates, _ = opt.update({"w": X}, opt.init(params), params)
+  for skip in (None, jnp.asarray(False)):
+    wrapper = jaxamp.OptimWrapper(opt, params)
+    wrapper.apply_gradients({"w": X}, skip=skip)
+    np.testing.assert_allclose(wrapper.params["w"], optax.apply_updates(params, updates)["w"],
+                               rtol=1e-6)
