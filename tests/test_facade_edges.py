@@ -289,6 +289,48 @@ def test_unscale_checks_the_values_flax_fp8_layers_return_and_leaves_them_unscal
   jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), wrapper.params, want)
 
 
+@pytest.mark.parametrize("overflow", [False, True])
+def test_amp_optim_wrapper_skips_on_an_overflow_only_flax_fp8_layers_return(overflow):
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 8))
+  variables = jax.jit(_Fp8Dense().init)(jax.random.PRNGKey(1), x)
+  scale = 2.0**126 if overflow else 2.0**16
+  x = x * 1e6 if overflow else x
+  grads = jax.jit(jax.grad(lambda v: scale * _fp8_loss(v, x)))(variables)
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), variables,
+                                   loss_scale=dict(init_scale=scale, growth_interval=100))
+  wrapper.update_params(_fp8_loss, x)
+  if overflow:  # skipped, fp8 values included; the scale backs off
+    want, want_scale = variables, scale / 2
+  else:
+    want = flax_train_state.TrainState.create(
+        apply_fn=None, params=variables, tx=optax.sgd(0.1)).apply_gradients(
+            grads={**grads, "params": jax.tree.map(lambda g: g / scale, grads["params"])}).params
+    want_scale = scale
+  assert wrapper.get_scale() == want_scale
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), wrapper.params, want)
+
+
+def test_amp_optim_wrapper_keeps_flax_fp8_values_on_a_step_skipped_for_another_gradient():
+  # An inf gradient outside the fp8 layer skips the step: the fp8 values it returned, finite,
+  # are not written either (as every other variable).
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 8))
+  variables = jax.jit(_Fp8Dense().init)(jax.random.PRNGKey(1), x)
+  variables = {**variables, "params": {**variables["params"], "b": jnp.zeros((), jnp.float32)}}
+
+  def loss(v, x, bad):
+    return _fp8_loss(v, x) + v["params"]["b"] * jnp.where(bad, jnp.float32(jnp.inf),
+                                                          jnp.float32(1.0))
+
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), variables, loss_scale=dict(init_scale=2.0**16))
+  wrapper.update_params(loss, x, jnp.asarray(True))
+  assert wrapper.get_scale() == 2.0**15
+  jax.tree.map(np.testing.assert_array_equal, wrapper.params, variables)
+  # The next, finite step writes the values it returns (a skip in the past does not stop it).
+  returned = jax.jit(jax.grad(lambda v: 2.0**15 * loss(v, x, False)))(variables)[OWG]
+  wrapper.update_params(loss, x, jnp.asarray(False))
+  jax.tree.map(np.testing.assert_array_equal, wrapper.params[OWG], returned)
+
+
 def test_a_holder_with_an_empty_gradient_tree_has_no_inf_checks_recorded():
   # PyTorch's step raises when no parameter has a gradient: an empty tree holds none either.
   scaler = jaxamp.GradScaler()
