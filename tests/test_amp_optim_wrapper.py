@@ -193,6 +193,11 @@ def test_apply_gradients_with_external_skip_keeps_the_scale():
                                    loss_scale=dict(init_scale=4.0))
   clipped.apply_gradients({"w": 4.0 * X}, skip=jnp.asarray(True))
   assert float(clipped.last_grad_norm) == 5.0  # the norm of the unscaled gradients, as logged
+  l1 = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
+                              clip_grad=dict(max_norm=1.0, norm_type=1.0),
+                              loss_scale=dict(init_scale=4.0))
+  l1.apply_gradients({"w": 4.0 * X}, skip=jnp.asarray(True))
+  assert float(l1.last_grad_norm) == 7.0  # of the order asked for
   with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
     wrapper.step(closure=lambda: 0.0)
 

@@ -519,6 +519,11 @@ def test_error_if_nonfinite_raises_and_keeps_state():
     wrapper.update_params(bad_loss, X, jnp.array(True))
   assert wrapper.params is params
   assert wrapper.inner_count == 2 and wrapper.grads is not None  # as mmengine: backward ran
+  # PyTorch names the order it was asked for.
+  l1 = jaxamp.OptimWrapper(optax.sgd(1.0), w_params(),
+                           clip_grad=dict(max_norm=1.0, norm_type=1.0, error_if_nonfinite=True))
+  with pytest.raises(RuntimeError, match=r"The total norm of order 1.0 for gradients"):
+    l1.update_params(bad_loss, X, jnp.array(True))
 
 
 # -------------------------------------------------------------------------------------------------
