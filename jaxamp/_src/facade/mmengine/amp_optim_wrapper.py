@@ -220,11 +220,15 @@ class AmpOptimWrapper(OptimWrapper):
     return self._scaler.kind != "disabled"
 
   def _compute_in_dtype(self, loss_fn: Callable) -> Callable:
-    if self._amp_policy is None:
+    policy = self._amp_policy
+    if policy is None:
       return loss_fn
     if self._cast == "autocast" and self.cast_dtype in (jnp.float16, jnp.bfloat16):
-      return autocast_lib.autocast(loss_fn, self.cast_dtype)
-    return policy_lib.mixed_precision(loss_fn, self._amp_policy)
+      autocast_fn = autocast_lib.autocast(loss_fn, self.cast_dtype)
+      # A loss whose last operation is a matmul comes out in the compute dtype: returned in
+      # float32, as the whole cast returns it.
+      return lambda *args, **kwargs: policy.cast_to_output(autocast_fn(*args, **kwargs))
+    return policy_lib.mixed_precision(loss_fn, policy)
 
   def _cast_fn(self) -> Callable[[Any], Any]:
     policy = self._amp_policy
