@@ -86,7 +86,8 @@ class AmpOptimWrapper(OptimWrapper):
   at each op. ``cast='whole'`` casts every floating param and array input to
   ``dtype`` instead (:func:`jaxamp.mixed_precision`, jmp's way, this
   wrapper's behaviour before autocast). Either way the master params and the
-  gradients stay float32 and the loss is returned in float32. ``dtype=None``
+  gradients stay float32 and the loss (with ``has_aux``, the floating leaves
+  of the aux output too) is returned in float32. ``dtype=None``
   casts nothing: the loss function runs as written (e.g. a Flax module with
   its own ``dtype``). :meth:`optim_context` yields the whole-cast function,
   for code the user runs in the compute dtype himself.
