@@ -455,6 +455,11 @@ def test_a_static_scale_round_trips_and_refuses_a_bad_loaded_scale():
   _loads_nothing(resumed, bad, ValueError,
                  r"^state_dict\['loss_scaler'\]\['scale'\] must be a positive, finite number, "
                  "got 0.0")
+  # A static scale does not use the factors, but a bad one marks a bad state dict.
+  for name, value, err in [("growth_factor", 0.5, ValueError), ("backoff_factor", "x", TypeError),
+                           ("growth_interval", 0, ValueError)]:
+    bad = dict(saved, loss_scaler=dict(saved["loss_scaler"], **{name: value}))
+    _loads_nothing(resumed, bad, err, "^" + name)
 
 
 # -- donate=True: in-place buffers, identical numerics ----------------------------------------
