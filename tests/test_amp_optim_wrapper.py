@@ -189,7 +189,7 @@ def test_a_bfloat16_dtype_runs_the_matmuls_in_bfloat16():
   loss_fn = lambda p, x: jnp.dot(x, p["w"])
   by_hand = jnp.dot(x.astype(jnp.bfloat16), w_params()["w"].astype(jnp.bfloat16))
   wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), dtype="bfloat16")
-  loss = wrapper.update_params(loss_fn, x)
+  loss = wrapper.update_params(loss_fn, x=x)  # keyword arguments reach the loss function too
   assert loss.dtype == jnp.float32 and float(loss) == float(by_hand) == 1.0
 
 
