@@ -455,7 +455,12 @@ def test_a_static_scale_round_trips_and_refuses_a_bad_loaded_scale():
   _loads_nothing(resumed, bad, ValueError,
                  r"^state_dict\['loss_scaler'\]\['scale'\] must be a positive, finite number, "
                  "got 0.0")
-  # A static scale does not use the factors, but a bad one marks a bad state dict.
+  # A static scale does not use the factors but keeps them, as GradScaler does; a bad one is
+  # refused.
+  kept = dict(saved["loss_scaler"], growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
+  resumed.load_state_dict(dict(saved, loss_scaler=kept))
+  assert resumed.state_dict()["loss_scaler"] == kept
+  assert [s for s, _ in run(resumed, [True, False])] == [512.0, 512.0]
   for name, value, err in [("growth_factor", 0.5, ValueError), ("backoff_factor", "x", TypeError),
                            ("growth_interval", 0, ValueError)]:
     bad = dict(saved, loss_scaler=dict(saved["loss_scaler"], **{name: value}))

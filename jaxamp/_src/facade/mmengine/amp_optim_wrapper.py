@@ -299,13 +299,13 @@ class AmpOptimWrapper(OptimWrapper):
                               scaler["_growth_tracker"])
     hysteresis_tracker = outside.counter("state_dict['loss_scaler']['_hysteresis_tracker']",
                                          scaler.get("_hysteresis_tracker", 0))
-    # Checked for a static scale too, which does not use them: a bad value is a bad state dict.
+    # Kept (and checked) for a static scale too, which does not use them, as GradScaler keeps them.
     rule = ls.make_rule(growth_factor=scaler["growth_factor"],
                         backoff_factor=scaler["backoff_factor"],
                         growth_interval=scaler["growth_interval"],
                         hysteresis=cfg.rule.hysteresis, min_scale=cfg.rule.min_scale,
                         max_scale=cfg.rule.max_scale)
-    new_cfg = dataclasses.replace(cfg, rule=rule) if cfg.kind == "dynamic" else cfg
+    new_cfg = dataclasses.replace(cfg, rule=rule)
     scale = outside.scale("state_dict['loss_scaler']['scale']", scaler["scale"],
                           rule.min_scale, rule.max_scale)
 
