@@ -400,10 +400,18 @@ def test_loading_other_scaler_factors_rebuilds_once():
 
 def test_a_load_keeps_the_configured_hysteresis_and_scale_bounds():
   # hysteresis, min_scale and max_scale are not in PyTorch's state dict: the configured ones stay.
-  slow = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
-                                loss_scale=dict(init_scale=8.0, hysteresis=2))
-  slow.load_state_dict(slow.state_dict())
-  assert [s for s, _ in run(slow, [True, True, True, True])] == [8.0, 4.0, 4.0, 2.0]
+  def slow():
+    return jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
+                                  loss_scale=dict(init_scale=8.0, hysteresis=2))
+
+  first = slow()
+  first.load_state_dict(first.state_dict())
+  assert [s for s, _ in run(first, [True, True, True])] == [8.0, 4.0, 4.0]
+  saved = first.state_dict()
+  assert saved["loss_scaler"]["_hysteresis_tracker"] == 1  # one overflow not yet acted on
+  resumed = slow()
+  resumed.load_state_dict(saved)
+  assert [s for s, _ in run(resumed, [True])] == [2.0]
   low = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
                                loss_scale=dict(init_scale=8.0, min_scale=4.0))
   low.load_state_dict(low.state_dict())
