@@ -143,6 +143,10 @@ def test_defaults_hyperparameters_and_set_lr_without_recompiling():
     sgd.param_groups[0]["momentum"] = 0.9  # no momentum buffers were built
 
 
+def _sgd_with_default_lr(learning_rate=0.1):
+  return optax.sgd(learning_rate)
+
+
 @pytest.mark.parametrize("cfg,err,match", [
     (dict(optimizer=dict(type="Lamb")), ValueError, r"Unknown optimizer type 'Lamb'; accepted: "
      r"\['Adagrad', 'Adam', 'AdamW', 'RMSprop', 'SGD'\]"),
@@ -185,6 +189,49 @@ def test_defaults_hyperparameters_and_set_lr_without_recompiling():
     # Doubly invalid: mmengine checks paramwise_cfg before the optimizer (a TypeError).
     (dict(optimizer=dict(lr=0.1), paramwise_cfg=["error"]), TypeError,
      "paramwise_cfg should be None or a dict"),
+    (dict(optimizer=dict(type="SGD", lr=0.1, kahan_sum=1)), TypeError,
+     "^kahan_sum must be a bool, got 1$"),
+    (dict(optimizer=dict(type="SGD", lr=0.1, params=["a"])), ValueError,
+     "must not contain 'params'"),
+    # An optax factory does not check weight_decay before it is used to scale the groups.
+    (dict(optimizer=dict(type=optax.adamw, learning_rate=0.1, weight_decay="0.1")), TypeError,
+     "^weight_decay must be a real number, got '0.1' of type str$"),
+    # mmengine: every decay multiplier (custom keys' too) needs an explicit weight_decay.
+    (dict(optimizer=dict(type="SGD", lr=0.1), paramwise_cfg=dict(norm_decay_mult=0.0)),
+     ValueError, "base_wd should not be None"),
+    (dict(optimizer=dict(type="SGD", lr=0.1), paramwise_cfg=dict(dwconv_decay_mult=0.0)),
+     ValueError, "base_wd should not be None"),
+    # Multipliers are refused at once, by their key, rather than as a group's bad lr later.
+    (dict(optimizer=dict(type="SGD", lr=0.1),
+          paramwise_cfg=dict(custom_keys={"a": dict(lr_mult=-1.0)})), ValueError,
+     r"^paramwise_cfg\['custom_keys'\]\['a'\]\['lr_mult'\] must be a finite number >= 0, "
+     r"got -1.0$"),
+    (dict(optimizer=dict(type="SGD", lr=0.1, weight_decay=0.01),
+          paramwise_cfg=dict(custom_keys={"a": dict(decay_mult=-1.0)})), ValueError,
+     r"^paramwise_cfg\['custom_keys'\]\['a'\]\['decay_mult'\] must be a finite number >= 0, "
+     r"got -1.0$"),
+    (dict(optimizer=dict(type="SGD", lr=0.1),
+          paramwise_cfg=dict(custom_keys={"a": dict(lr_mult="2")})), TypeError,
+     r"^paramwise_cfg\['custom_keys'\]\['a'\]\['lr_mult'\] must be a real number"),
+    *[(dict(optimizer=dict(type="SGD", lr=0.1, weight_decay=0.01), paramwise_cfg={key: -1.0}),
+       ValueError, rf"^paramwise_cfg\['{key}'\] must be a finite number >= 0, got -1.0$")
+      for key in ("bias_lr_mult", "bias_decay_mult", "norm_decay_mult", "dwconv_decay_mult",
+                  "flat_decay_mult")],
+    (dict(optimizer=dict(type="SGD", lr=0.1), paramwise_cfg=dict(bias_lr_mult=float("nan"))),
+     ValueError, r"^paramwise_cfg\['bias_lr_mult'\] must be a finite number, got nan$"),
+    # Only wrapper classes (not OptimWrapperDict, which holds several) are wrapper types.
+    (dict(type=jaxamp.OptimWrapperDict, optimizer=dict(type="SGD")), ValueError,
+     "Unknown optim wrapper type"),
+    (dict(type=dict, optimizer=dict(type="SGD")), ValueError, "Unknown optim wrapper type"),
+    (dict(type=3, optimizer=dict(type="SGD")), ValueError, "Unknown optim wrapper type 3"),
+    # A factory whose learning rate has a default: a multiplier would scale nothing, silently.
+    (dict(optimizer=dict(type=_sgd_with_default_lr),
+          paramwise_cfg=dict(custom_keys={"a": dict(lr_mult=0.1)})), ValueError,
+     r"^paramwise_cfg\['custom_keys'\]\['a'\]\['lr_mult'\] scales the learning rate, but the "
+     r"optimizer config has no 'learning_rate'"),
+    (dict(optimizer=dict(type=_sgd_with_default_lr), paramwise_cfg=dict(bias_lr_mult=2.0)),
+     ValueError, r"^paramwise_cfg\['bias_lr_mult'\] scales the learning rate, but the optimizer "
+     r"config has no 'learning_rate'"),
 ])
 def test_config_errors(cfg, err, match):
   original = copy.deepcopy(cfg)
@@ -333,3 +380,191 @@ def test_donate_is_accepted_in_the_config():
     assert wrapper.donate
   default = jaxamp.build_optim_wrapper(params, dict(optimizer=dict(type="SGD", lr=0.1)))
   assert not default.donate
+
+
+def test_custom_keys_decay_mult_and_extra_hyperparameters_as_mmengine():
+  params = {"body": {"kernel": jnp.ones((2, 2))}, "head": {"kernel": jnp.ones((2, 2))},
+            "neck": {"kernel": jnp.ones((2, 2))}}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(
+      optimizer=dict(type="SGD", lr=0.1, weight_decay=0.01),
+      paramwise_cfg=dict(custom_keys={"head": dict(decay_mult=0.5, momentum=0.9),
+                                      "neck": dict(lr_mult=0.1)})))
+  groups = {n: g for g in wrapper.optimizer.param_groups for n in g["params"]}
+  # mmengine: lr = base_lr * lr_mult (1 when absent), weight_decay = base_wd * decay_mult (1 when
+  # absent), and every entry of the custom key is copied into the group; the values are the
+  # Python products, as PyTorch keeps them.
+  assert groups["head.kernel"]["lr"] == 0.1
+  assert groups["head.kernel"]["weight_decay"] == 0.01 * 0.5
+  assert groups["head.kernel"]["decay_mult"] == 0.5 and groups["head.kernel"]["momentum"] == 0.9
+  assert groups["neck.kernel"]["lr"] == 0.1 * 0.1 and groups["neck.kernel"]["weight_decay"] == 0.01
+  assert groups["body.kernel"]["momentum"] == 0.0  # the optimizer's default, not set in the cfg
+  grads = jax.tree.map(jnp.ones_like, params)
+  for _ in range(2):
+    wrapper.apply_gradients(grads)
+  expected = {"body": ref_sgd(np.ones((2, 2)), [np.ones((2, 2))] * 2, lr=0.1, weight_decay=0.01),
+              "head": ref_sgd(np.ones((2, 2)), [np.ones((2, 2))] * 2, lr=0.1, weight_decay=0.005,
+                              momentum=0.9),
+              "neck": ref_sgd(np.ones((2, 2)), [np.ones((2, 2))] * 2, lr=0.01,
+                              weight_decay=0.01)}
+  for name, p in expected.items():
+    np.testing.assert_allclose(wrapper.params[name]["kernel"], p, rtol=1e-6, err_msg=name)
+
+
+def test_custom_keys_with_array_or_tuple_values_keep_their_own_groups():
+  params = {k: {"kernel": jnp.ones((2, 2))} for k in ("a", "b", "c", "d", "e")}
+  # Numpy scalars of equal value share a group; of different values they do not, even with
+  # equal bits (an int32 1 and the float32 of the same bits, 1.4e-45).
+  momenta = {"a": np.float32(0.5), "b": np.float32(0.8), "c": np.float32(0.8),
+             "d": np.int32(1), "e": np.int32(1).view(np.float32)}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(
+      optimizer=dict(type="SGD", lr=0.1, momentum=0.1),
+      paramwise_cfg=dict(custom_keys={k: dict(momentum=m) for k, m in momenta.items()})))
+  groups = wrapper.optimizer.param_groups
+  assert [g["params"] for g in groups] == [["a.kernel"], ["b.kernel", "c.kernel"], ["d.kernel"],
+                                           ["e.kernel"]]
+  by_name = {n: g for g in groups for n in g["params"]}
+  for name, m in momenta.items():
+    assert by_name[f"{name}.kernel"]["momentum"] == pytest.approx(float(m), rel=1e-6), name
+  # Tuples (Adam's betas) likewise.
+  betas = {"a": (0.5, 0.9), "b": (0.8, 0.99), "c": (0.8, 0.99)}
+  adam = jaxamp.build_optim_wrapper({k: params[k] for k in betas}, dict(
+      optimizer=dict(type="Adam", lr=0.1),
+      paramwise_cfg=dict(custom_keys={k: dict(betas=b) for k, b in betas.items()})))
+  assert [(g["params"], g["betas"]) for g in adam.optimizer.param_groups] == [
+      (["a.kernel"], (0.5, 0.9)), (["b.kernel", "c.kernel"], (0.8, 0.99))]
+
+
+def test_kahan_sum_keeps_the_updates_that_bfloat16_parameters_lose():
+  # Under standard promotion: PyTorch's SGD, as optax's, adds a float32 lr times bfloat16 grads.
+  with jax.numpy_dtype_promotion("standard"):
+    params = {"w": jnp.ones(16, jnp.bfloat16)}
+    grads = {"w": jnp.ones(16, jnp.bfloat16)}
+    lr, steps = 5e-4, 8  # each step is below half a bfloat16 spacing at 1.0 (2**-9)
+    runs = {}
+    for kahan in (None, False, True):
+      optimizer = dict(type="SGD", lr=lr) if kahan is None else dict(type="SGD", lr=lr,
+                                                                      kahan_sum=kahan)
+      wrapper = jaxamp.build_optim_wrapper(params, dict(optimizer=optimizer))
+      for _ in range(steps):
+        wrapper.apply_gradients(grads)
+      assert wrapper.params["w"].dtype == jnp.bfloat16
+      runs[kahan] = np.asarray(wrapper.params["w"], np.float32)
+    # Off by default: the run of plain optax on bfloat16 parameters, where every step is lost.
+    tx, p = optax.sgd(lr), params
+    state = tx.init(p)
+    for _ in range(steps):
+      updates, state = tx.update(grads, state, p)
+      p = optax.apply_updates(p, updates)
+    for kahan in (None, False):
+      np.testing.assert_array_equal(runs[kahan], np.asarray(p["w"], np.float32))
+    assert (runs[None] == 1.0).all()
+    # On: the nearest bfloat16 to the float32 sum of the updates, as with a float32 master copy.
+    master = np.float32(1.0)
+    for _ in range(steps):
+      master = np.float32(master - np.float32(lr))
+    np.testing.assert_array_equal(runs[True], np.float32(jnp.asarray(master, jnp.bfloat16)))
+    assert (runs[True] < 1.0).all()
+
+
+class _MyWrapper(jaxamp.OptimWrapper):
+  pass
+
+
+class _MyAmpWrapper(jaxamp.AmpOptimWrapper):
+  pass
+
+
+def test_a_wrapper_subclass_as_the_type():
+  params = {"w": jnp.ones(2)}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(type=_MyWrapper,
+                                                    optimizer=dict(type="SGD", lr=0.1)))
+  assert type(wrapper) is _MyWrapper
+  amp = jaxamp.build_optim_wrapper(params, dict(type=_MyAmpWrapper, loss_scale=8.0,
+                                                optimizer=dict(type="SGD", lr=0.1)))
+  assert type(amp) is _MyAmpWrapper and amp.get_scale() == 8.0
+  with pytest.raises(TypeError, match=r"_MyWrapper got unexpected config keys \['loss_scale'\]"):
+    jaxamp.build_optim_wrapper(params, dict(type=_MyWrapper, loss_scale=8.0,
+                                            optimizer=dict(type="SGD", lr=0.1)))
+
+
+def test_an_optax_transformation_as_the_optimizer_with_wrapper_arguments():
+  params = {"w": jnp.asarray([1.0, 2.0])}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(optimizer=optax.sgd(0.1),
+                                                    accumulative_counts=2))
+
+  def loss_fn(p, x):
+    return jnp.sum(p["w"] * x)
+
+  xs = [jnp.asarray([1.0, -1.0]), jnp.asarray([3.0, 1.0])]
+  wrapper.update_params(loss_fn, xs[0])
+  np.testing.assert_array_equal(wrapper.params["w"], params["w"])  # accumulating
+  wrapper.update_params(loss_fn, xs[1])
+  # mmengine divides each micro-batch's loss by accumulative_counts: one optax.sgd step on the
+  # mean gradient.
+  np.testing.assert_allclose(wrapper.params["w"], [1.0 - 0.1 * 2.0, 2.0 - 0.1 * 0.0], rtol=1e-6)
+
+
+def test_optax_factory_decay_rules_against_plain_optax():
+  params = {"dense": {"kernel": jnp.full((2, 2), 2.0), "bias": jnp.full(2, 2.0)}}
+  grads = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}}
+  paramwise = dict(bias_decay_mult=0.5)
+  labels = {"dense": {"kernel": "k", "bias": "b"}}
+  cases = [  # a factory with a learning rate, and one without (decay alone)
+      (dict(type=optax.adamw, learning_rate=0.1, weight_decay=0.2),
+       {"k": optax.adamw(0.1, weight_decay=0.2), "b": optax.adamw(0.1, weight_decay=0.1)}),
+      (dict(type=optax.add_decayed_weights, weight_decay=0.2),
+       {"k": optax.add_decayed_weights(0.2), "b": optax.add_decayed_weights(0.1)}),
+  ]
+  for optimizer, plain in cases:
+    wrapper = jaxamp.build_optim_wrapper(params, dict(optimizer=optimizer,
+                                                      paramwise_cfg=paramwise))
+    groups = {n: g for g in wrapper.optimizer.param_groups for n in g["params"]}
+    assert groups["dense.kernel"]["weight_decay"] == pytest.approx(0.2)
+    assert groups["dense.bias"]["weight_decay"] == pytest.approx(0.1)
+    tx = optax.partition(plain, labels)
+    with jax.numpy_dtype_promotion("standard"):  # optax's adamw mixes an int32 count
+      wrapper.apply_gradients(grads)
+      updates, _ = tx.update(grads, tx.init(params), params)
+    expected = optax.apply_updates(params, updates)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), wrapper.params,
+                 expected)
+
+
+def test_a_two_dimensional_leaf_is_never_a_norm_parameter():
+  params = {"LayerNorm_0": {"scale": jnp.ones(2), "bias": jnp.ones(2)},
+            "norm_proj": {"kernel": jnp.ones((2, 2))}}  # a Dense named after what it feeds
+  wrapper = jaxamp.build_optim_wrapper(params, dict(
+      optimizer=dict(type="SGD", lr=0.1, weight_decay=0.01),
+      paramwise_cfg=dict(norm_decay_mult=0.0)))
+  decay = {n: g["weight_decay"] for g in wrapper.optimizer.param_groups for n in g["params"]}
+  assert decay == {"LayerNorm_0.scale": 0.0, "LayerNorm_0.bias": 0.0, "norm_proj.kernel": 0.01}
+
+
+def test_a_bare_depthwise_convolution_at_the_top_level():
+  # mmengine's root module is a depthwise Conv2d: dwconv_decay_mult applies to its leaves, as it
+  # does to the same convolution one level down.
+  cfg = dict(optimizer=dict(type="SGD", lr=0.1, weight_decay=0.01),
+             paramwise_cfg=dict(dwconv_decay_mult=0.5))
+  for conv in ({"kernel": jnp.ones((3, 3, 1, 4)), "bias": jnp.ones(4)},  # Flax HWIO
+               {"weight": jnp.ones((4, 1, 3, 3)), "bias": jnp.ones(4)}):  # PyTorch OIHW
+    for params, prefix in ((conv, ""), ({"conv": conv}, "conv.")):
+      wrapper = jaxamp.build_optim_wrapper(params, cfg)
+      decay = {n: g["weight_decay"] for g in wrapper.optimizer.param_groups for n in g["params"]}
+      assert decay == {prefix + name: 0.01 * 0.5 for name in conv}, decay
+  # A top level holding a dense kernel is no depthwise convolution.
+  wrapper = jaxamp.build_optim_wrapper({"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}, cfg)
+  assert [g["weight_decay"] for g in wrapper.optimizer.param_groups] == [0.01]
+
+
+def _sgd_with_lr(lr, momentum=0.0):
+  return optax.sgd(lr, momentum)
+
+
+def test_custom_keys_set_an_optax_factorys_own_arguments():
+  params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(
+      optimizer=dict(type=_sgd_with_lr, lr=0.1),
+      paramwise_cfg=dict(custom_keys={".a": dict(lr=0.5)})))
+  wrapper.apply_gradients({"a": jnp.ones(2), "b": jnp.ones(2)})
+  np.testing.assert_allclose(wrapper.params["a"], 0.5, rtol=1e-6)
+  np.testing.assert_allclose(wrapper.params["b"], 0.9, rtol=1e-6)

@@ -862,3 +862,209 @@ def test_adam_betas_and_rmsprop_alpha_read_back_as_written_and_bad_ones_are_refu
   assert rms.param_groups[0]["alpha"] == pytest.approx(0.8)
   with pytest.raises(ValueError, match="alpha"):
     rms.param_groups[0]["alpha"] = float("inf")
+
+
+# -- hyperparameters written and read through param_groups ----------------------------------------
+
+
+def _torch_adam(grads, lr, b1, b2, eps=1e-8):
+  """PyTorch's Adam on one scalar starting at 1, in float64 (optax's adam is the same rule)."""
+  p, m, v = 1.0, 0.0, 0.0
+  for t, g in enumerate(grads, 1):
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    p -= lr / (1 - b1**t) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + eps)
+  return p
+
+
+def _torch_rmsprop(grads, lr, alpha, eps=1e-8):
+  """PyTorch's RMSprop (no momentum, not centered) on one scalar starting at 1, in float64."""
+  p, v = 1.0, 0.0
+  for g in grads:
+    v = alpha * v + (1 - alpha) * g * g
+    p -= lr * g / (np.sqrt(v) + eps)
+  return p
+
+
+_GRADS = [1.0, 0.1, 0.5]  # changing gradients: the betas and alpha change every step
+
+
+def _lion(grads, lr, b1, b2):
+  """optax's lion (no weight decay) on one scalar starting at 1, in float64."""
+  p, m = 1.0, 0.0
+  for g in grads:
+    p -= lr * np.sign(b1 * m + (1 - b1) * g)
+    m = b2 * m + (1 - b2) * g
+  return p
+
+
+def test_betas_written_through_a_param_group_drive_the_next_steps():
+  adam = jaxamp.build_optim_wrapper({"w": jnp.ones(1)}, dict(optimizer=dict(type="Adam", lr=0.1)))
+  adam.param_groups[0]["betas"] = (0.6, 0.8)
+  for g in _GRADS:
+    adam.update_params(_linear, jnp.float32(g))
+  np.testing.assert_allclose(float(adam.params["w"][0]), _torch_adam(_GRADS, 0.1, 0.6, 0.8),
+                             rtol=1e-5)
+  # An injected optax optimizer's b1 and b2 read as betas. (Lion: optax's adam with injected
+  # betas takes b1 ** count, which mixes float32 and int32 and needs standard promotion.)
+  lion = jaxamp.OptimWrapper(
+      optax.inject_hyperparams(optax.lion)(learning_rate=0.1, weight_decay=0.0),
+      {"w": jnp.ones(1)})
+  lion.param_groups[0]["betas"] = (0.6, 0.8)
+  grads = [1.0, -0.1, -0.2, -0.5]  # the signs of the updates tell (0.6, 0.8) from other betas
+  for g in grads:
+    lion.update_params(_linear, jnp.float32(g))
+  np.testing.assert_allclose(float(lion.params["w"][0]), _lion(grads, 0.1, 0.6, 0.8), rtol=1e-5)
+
+
+def test_rmsprop_alpha_written_through_a_param_group_drives_the_next_steps():
+  wrapper = jaxamp.build_optim_wrapper({"w": jnp.ones(1)},
+                                       dict(optimizer=dict(type="RMSprop", lr=0.01)))
+  wrapper.param_groups[0]["alpha"] = 0.8
+  for g in _GRADS:
+    wrapper.update_params(_linear, jnp.float32(g))
+  np.testing.assert_allclose(float(wrapper.params["w"][0]), _torch_rmsprop(_GRADS, 0.01, 0.8),
+                             rtol=1e-5)
+
+
+def test_param_groups_read_the_hyperparameters_a_loaded_state_holds():
+  # Groups saved without their betas/alpha: the loaded optax state holds the saved values, and
+  # param_groups read them from there (not the values this wrapper was built with).
+  for cfg, key, saved_value in [(dict(type="Adam", lr=0.1, betas=(0.6, 0.8)), "betas", (0.6, 0.8)),
+                                (dict(type="RMSprop", lr=0.1, alpha=0.7), "alpha", 0.7)]:
+    saved = jaxamp.build_optim_wrapper({"w": jnp.ones(2)}, dict(optimizer=cfg))
+    state_dict = saved.state_dict()
+    del state_dict["param_groups"][0][key]
+    fresh = jaxamp.build_optim_wrapper({"w": jnp.ones(2)},
+                                       dict(optimizer=dict(type=cfg["type"], lr=0.1)))
+    fresh.load_state_dict(state_dict)
+    assert fresh.param_groups[0][key] == pytest.approx(saved_value)
+
+
+@pytest.mark.parametrize("cfg, key", [(dict(type="SGD", lr=0.1, momentum=0.9), "lr"),
+                                      (dict(type="SGD", lr=0.1, momentum=0.9), "momentum"),
+                                      (dict(type="Adam", lr=0.1), "eps"),
+                                      (dict(type="RMSprop", lr=0.1), "alpha")])
+def test_a_negative_hyperparameter_written_later_is_refused_as_at_construction(cfg, key):
+  with pytest.raises(ValueError):  # PyTorch's constructors refuse it
+    jaxamp.build_optim_wrapper({"w": jnp.ones(2)}, dict(optimizer=dict(cfg, **{key: -0.5})))
+  wrapper = jaxamp.build_optim_wrapper({"w": jnp.ones(2)}, dict(optimizer=cfg))
+  before = wrapper.param_groups[0][key]
+  with pytest.raises(ValueError, match=rf"^param_groups\[0\]\['{key}'\]: .*>= 0, got -0.5"):
+    wrapper.param_groups[0][key] = -0.5
+  assert wrapper.param_groups[0][key] == before
+
+
+def _sgd_with_b1(learning_rate, b1):
+  """An optax optimizer whose hyperparameters include a b1 but no b2."""
+  return optax.sgd(learning_rate, momentum=b1)
+
+
+def test_an_injected_optax_optimizer_lists_its_scalar_hyperparameters_by_pytorch_names():
+  adam = jaxamp.OptimWrapper(optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+                             {"w": jnp.ones(2)})
+  group = adam.param_groups[0]
+  assert set(group) == {"params", "lr", "betas", "eps", "eps_root"}  # b1, b2 read as betas
+  assert group["lr"] == pytest.approx(0.1) and group["betas"] == pytest.approx((0.9, 0.999))
+  # A b1 without a b2 is no pair: it keeps its optax name.
+  sgd = jaxamp.OptimWrapper(optax.inject_hyperparams(_sgd_with_b1)(learning_rate=0.1, b1=0.5),
+                            {"w": jnp.ones(2)})
+  assert dict(sgd.param_groups[0]) == {"params": ["w"], "lr": 0.1, "b1": 0.5}
+  sgd.update_params(_linear, jnp.float32(1.0))
+  sgd.param_groups[0]["b1"] = 0.25
+  sgd.update_params(_linear, jnp.float32(1.0))  # momentum 0.25: the buffer goes 1, 1.25
+  np.testing.assert_allclose(sgd.params["w"], [1.0 - 0.1 * (1.0 + 1.25)] * 2, rtol=1e-6)
+  # A hyperparameter given per coordinate is no group entry; the state still saves and loads.
+  decay = jnp.array([0.0, 0.5])
+  adamw = jaxamp.OptimWrapper(
+      optax.inject_hyperparams(optax.adamw)(learning_rate=0.1, weight_decay=decay),
+      {"w": jnp.ones(2)})
+  assert "weight_decay" not in adamw.param_groups[0]
+  adamw.load_state_dict(adamw.state_dict())
+  np.testing.assert_array_equal(adamw.opt_state.hyperparams["weight_decay"], [0.0, 0.5])
+
+
+def test_a_hyperparameter_written_between_steps_compiles_nothing_again():
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec
+  from tests._floats import enable_x64
+  from tests._tracing import trace_counts
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Explicit,))
+  on_mesh = {"w": jax.device_put(jnp.ones(2), NamedSharding(mesh, PartitionSpec("d")))}
+  # On an explicit mesh (placements are part of the traced types), and with 64-bit floats on
+  # (a Python float would be float64 there): the written value keeps the state's placement and
+  # dtype, so the step is traced once.
+  for params, x64 in [(on_mesh, False), ({"w": jnp.ones(2, jnp.float32)}, True)]:
+    with enable_x64(x64):
+      wrapper = jaxamp.build_optim_wrapper(params, dict(optimizer=dict(type="SGD", lr=0.5)))
+      wrapper.update_params(_linear, jnp.float32(1.0))
+      wrapper.param_groups[0]["lr"] = 0.25
+      wrapper.update_params(_linear, jnp.float32(1.0))
+      assert dict(trace_counts(wrapper)) == {"fused": 1}
+      np.testing.assert_allclose(wrapper.params["w"], [0.25, 0.25])
+
+
+# -- the parameter and state trees users hand to a wrapper ----------------------------------------
+
+
+def test_numpy_params_given_to_a_wrapper_are_copied_to_the_device():
+  for make in (lambda p: jaxamp.OptimWrapper(optax.sgd(0.5), p),
+               lambda p: jaxamp.build_optim_wrapper(p, dict(optimizer=dict(type="SGD", lr=0.5)))):
+    mine = np.ones(2, np.float32)
+    wrapper = make({"w": mine})
+    mine[:] = 7.0  # the caller's array is the caller's own
+    assert isinstance(wrapper.params["w"], jax.Array)
+    np.testing.assert_array_equal(wrapper.params["w"], [1.0, 1.0])
+
+
+def test_a_loaded_state_casts_numbers_only_and_refuses_other_leaves_by_name():
+  wrapper = jaxamp.OptimWrapper(optax.adam(0.1), {"w": jnp.ones(2)})
+  saved = wrapper.state_dict()
+  adam, empty = saved["state"]
+
+  def load(count):
+    wrapper.load_state_dict(dict(saved, state=(adam._replace(count=count), empty)))
+
+  load(np.int64(5))  # a number (Python or numpy scalar) is cast to the leaf's dtype
+  assert wrapper.opt_state[0].count.dtype == jnp.int32 and int(wrapper.opt_state[0].count) == 5
+  # An array is loaded in its leaf's dtype only, a float is no count, and a string no array.
+  with pytest.raises(ValueError, match=r"\.count must have shape \(\) and dtype int32, got shape "
+                                       r"\(\) and dtype int64"):
+    load(np.asarray(6, np.int64))
+  with pytest.raises(ValueError, match=r"\.count must have shape \(\) and dtype int32, got shape "
+                                       r"\(\) and dtype float64"):
+    load(6.0)
+  with pytest.raises(TypeError, match=r"\.count must be an array, got str"):
+    load("6")
+  assert int(wrapper.opt_state[0].count) == 5  # the refused loads changed nothing
+
+
+def test_an_optimizer_whose_init_returns_numpy_arrays_loads_a_saved_state():
+  # optax allows any arrays in a state: this one starts as numpy, and leaves each step on the device.
+  def init(params):
+    del params
+    return {"seen": np.zeros([], np.int32)}
+
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda g: -0.1 * g, updates), {"seen": state["seen"] + 1}
+
+  wrapper = jaxamp.OptimWrapper(optax.GradientTransformation(init, update), {"w": jnp.ones(2)})
+  saved = wrapper.state_dict()
+  wrapper.load_state_dict(dict(saved, state={"seen": 3}))
+  wrapper.update_params(_linear, jnp.float32(1.0))
+  assert int(wrapper.opt_state["seen"]) == 4
+  np.testing.assert_allclose(wrapper.params["w"], [0.9, 0.9])
+
+
+@pytest.mark.parametrize("make", [lambda: jaxamp.GradScaler(init_scale=4.0),
+                                  lambda: jaxamp.paddle.GradScaler(init_loss_scaling=4.0)],
+                         ids=["torch", "paddle"])
+def test_a_scaled_loss_with_aux_passed_to_a_jitted_step_scales_only_the_loss(make):
+  scaled = make().scale(_weighted_loss, has_aux=True)
+
+  @jax.jit
+  def step(loss_fn, params, x):  # the scaled loss is an argument: its scale comes in traced
+    return jax.grad(loss_fn, has_aux=True)(params, x, weight=3.0)
+
+  grads, aux = step(scaled, {"w": jnp.ones(2)}, jnp.array([1.0, 2.0]))
+  np.testing.assert_allclose(grads["w"], [12.0, 24.0])  # 4 * 3 * x
+  assert aux == {"weight": 3.0}

@@ -112,6 +112,14 @@ def paramwise_groups(params: Any, paramwise: dict, base_lr: Optional[float],
   Returns the distinct per-leaf overrides (in order of first appearance)
   and, for every leaf, the index of its group.
   """
+  if base_lr is None:  # a multiplier would scale nothing: refused, as a missing base_wd is
+    lr_mults = [f"['custom_keys'][{k!r}]['lr_mult']"
+                for k, entry in paramwise.get("custom_keys", {}).items() if "lr_mult" in entry]
+    if paramwise.get("bias_lr_mult") is not None:
+      lr_mults.append("['bias_lr_mult']")
+    if lr_mults:
+      raise ValueError(f"paramwise_cfg{lr_mults[0]} scales the learning rate, but the optimizer "
+                       f"config has no {lr_key!r}: give it explicitly")
   paths = jax.tree_util.tree_flatten_with_path(params)[0]
   modules: Dict[str, List[Tuple[str, Tuple[int, ...]]]] = {}
   infos = []
@@ -136,7 +144,7 @@ def paramwise_groups(params: Any, paramwise: dict, base_lr: Optional[float],
     group: Dict[str, Any] = {}
     full = f"{prefix}.{name}"
     is_norm = len(parts) >= 2 and _is_norm_module(parts[-2]) and len(shape) <= 1
-    is_dwconv = _is_dwconv_module(modules[prefix]) if prefix else False
+    is_dwconv = _is_dwconv_module(modules[prefix])  # the top level too, as mmengine's root
     matched = next((k for k in sorted_keys if k in full), None)
     if matched is not None:
       entry = custom[matched]
@@ -144,8 +152,8 @@ def paramwise_groups(params: Any, paramwise: dict, base_lr: Optional[float],
         group[lr_key] = base_lr * float(entry.get("lr_mult", 1.0))
       if base_wd is not None:
         group[wd_key] = base_wd * float(entry.get("decay_mult", 1.0))
-      for k, v in entry.items():
-        group[lr_key if k == "lr" else k] = v
+      for k, v in entry.items():  # the optimizer's own names ('lr' is PyTorch's lr_key)
+        group[k] = v
     else:
       if name == "bias" and not is_norm and bias_lr_mult is not None and base_lr is not None:
         group[lr_key] = base_lr * float(bias_lr_mult)
@@ -337,11 +345,15 @@ def build_optim_wrapper(params: Any, cfg: Mapping[str, Any]) -> OptimWrapper:
   * *depthwise conv*: the module has a 4-d ``kernel`` with ``shape[-2] == 1``
     (Flax HWIO with one input channel per group) or a 4-d ``weight`` with
     ``shape[1] == 1`` (PyTorch OIHW). ``dwconv_decay_mult`` applies to its
-    leaves.
+    leaves. The top-level leaves form a module too (mmengine's root module:
+    ``params`` may be a single depthwise convolution's).
   * *flat*: one-dimensional leaves; ``flat_decay_mult`` applies.
   * The decay rules are tried in mmengine's order (norm, bias, depthwise,
     flat) and need an explicit ``weight_decay`` in the optimizer config
-    (``ValueError('base_wd should not be None')`` otherwise).
+    (``ValueError('base_wd should not be None')`` otherwise). Likewise
+    ``bias_lr_mult`` and a custom key's ``lr_mult`` need the learning rate
+    in the optimizer config (``ValueError`` otherwise): an optax factory's
+    default ``learning_rate`` is not read.
     ``dcn_offset_lr_mult`` and ``bypass_duplicate`` are accepted and have no
     effect (no deformable convolutions; pytree leaves are never shared).
 
