@@ -86,7 +86,8 @@ class AmpOptimWrapper(OptimWrapper):
   at each op. ``cast='whole'`` casts every floating param and array input to
   ``dtype`` instead (:func:`jaxamp.mixed_precision`, jmp's way, this
   wrapper's behaviour before autocast). Either way the master params and the
-  gradients stay float32 and the loss is returned in float32. ``dtype=None``
+  gradients stay float32 and the loss (with ``has_aux``, the floating leaves
+  of the aux output too) is returned in float32. ``dtype=None``
   casts nothing: the loss function runs as written (e.g. a Flax module with
   its own ``dtype``). :meth:`optim_context` yields the whole-cast function,
   for code the user runs in the compute dtype himself.
@@ -220,11 +221,15 @@ class AmpOptimWrapper(OptimWrapper):
     return self._scaler.kind != "disabled"
 
   def _compute_in_dtype(self, loss_fn: Callable) -> Callable:
-    if self._amp_policy is None:
+    policy = self._amp_policy
+    if policy is None:
       return loss_fn
     if self._cast == "autocast" and self.cast_dtype in (jnp.float16, jnp.bfloat16):
-      return autocast_lib.autocast(loss_fn, self.cast_dtype)
-    return policy_lib.mixed_precision(loss_fn, self._amp_policy)
+      autocast_fn = autocast_lib.autocast(loss_fn, self.cast_dtype)
+      # A loss whose last operation is a matmul comes out in the compute dtype: returned in
+      # float32, as the whole cast returns it.
+      return lambda *args, **kwargs: policy.cast_to_output(autocast_fn(*args, **kwargs))
+    return policy_lib.mixed_precision(loss_fn, policy)
 
   def _cast_fn(self) -> Callable[[Any], Any]:
     policy = self._amp_policy
@@ -294,18 +299,15 @@ class AmpOptimWrapper(OptimWrapper):
                               scaler["_growth_tracker"])
     hysteresis_tracker = outside.counter("state_dict['loss_scaler']['_hysteresis_tracker']",
                                          scaler.get("_hysteresis_tracker", 0))
-    new_cfg = cfg
-    if cfg.kind == "dynamic":
-      rule = ls.make_rule(growth_factor=scaler["growth_factor"],
-                          backoff_factor=scaler["backoff_factor"],
-                          growth_interval=scaler["growth_interval"],
-                          hysteresis=cfg.rule.hysteresis, min_scale=cfg.rule.min_scale,
-                          max_scale=cfg.rule.max_scale)
-      new_cfg = dataclasses.replace(cfg, rule=rule)
-      scale = outside.scale("state_dict['loss_scaler']['scale']", scaler["scale"],
-                            rule.min_scale, rule.max_scale)
-    else:
-      scale = outside.scale("state_dict['loss_scaler']['scale']", scaler["scale"])
+    # Kept (and checked) for a static scale too, which does not use them, as GradScaler keeps them.
+    rule = ls.make_rule(growth_factor=scaler["growth_factor"],
+                        backoff_factor=scaler["backoff_factor"],
+                        growth_interval=scaler["growth_interval"],
+                        hysteresis=cfg.rule.hysteresis, min_scale=cfg.rule.min_scale,
+                        max_scale=cfg.rule.max_scale)
+    new_cfg = dataclasses.replace(cfg, rule=rule)
+    scale = outside.scale("state_dict['loss_scaler']['scale']", scaler["scale"],
+                          rule.min_scale, rule.max_scale)
 
     def install(state):
       if new_cfg != self._scaler:
