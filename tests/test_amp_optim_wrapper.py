@@ -479,6 +479,23 @@ def test_a_static_scale_round_trips_and_refuses_a_bad_loaded_scale():
     _loads_nothing(resumed, bad, err, "^" + name)
 
 
+def test_a_scale_loaded_into_a_static_wrapper_serves_one_step_as_in_mmengine():
+  # mmengine's static scale calls GradScaler.update(loss_scale) after every step: a scale loaded
+  # from a dynamic run's state dict scales the next loss, then the configured one is back.
+  dynamic = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=dict(init_scale=64.0))
+  static = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=512.0)
+  static.load_state_dict(dynamic.state_dict())
+  assert static.get_scale() == 64.0
+  static.backward(bad_loss, X, jnp.asarray(False))
+  np.testing.assert_array_equal(static.grads["w"], 64.0 * np.asarray(X))  # the loaded scale
+  static.step()
+  static.zero_grad()
+  assert static.get_scale() == 512.0
+  assert static.state_dict()["loss_scaler"]["scale"] == 512.0
+  np.testing.assert_allclose(static.params["w"], 1 - 0.1 * np.asarray(X), rtol=1e-6)
+  assert [s for s, _ in run(static, [True, False])] == [512.0, 512.0]
+
+
 # -- donate=True: in-place buffers, identical numerics ----------------------------------------
 
 DONATE_PATTERN = (False, True, False, False, "nan", False, True, True, False, False)

@@ -68,6 +68,21 @@ def parse_loss_scale(loss_scale: Any) -> ScalerConfig:
   raise TypeError(f'loss_scale must be of type float, dict, or "dynamic", but got {loss_scale}')
 
 
+def _back_to_scale(tx: optax.GradientTransformation, scale: float) -> optax.GradientTransformation:
+  """``tx`` with its state's scale set to ``scale`` after every update.
+
+  mmengine's static scale calls ``GradScaler.update(loss_scale)`` after each
+  step: a scale loaded from a state dict serves one step, then the configured
+  one is back.
+  """
+
+  def update(updates, state, params=None):
+    updates, state = tx.update(updates, state, params)
+    return updates, state._replace(scale=jnp.full_like(state.scale, scale))
+
+  return optax.GradientTransformation(tx.init, update)
+
+
 class AmpOptimWrapper(OptimWrapper):
   """mmengine's ``AmpOptimWrapper``: :class:`OptimWrapper` with loss scaling and a compute dtype.
 
@@ -100,7 +115,9 @@ class AmpOptimWrapper(OptimWrapper):
   * ``state_dict()['loss_scaler']`` is PyTorch's GradScaler format (Python
     values), plus ``'_hysteresis_tracker'`` when ``hysteresis > 1``. Loading
     growth or backoff factors or an interval that differ from the current
-    ones rebuilds the step (one recompilation).
+    ones rebuilds the step (one recompilation). With a float ``loss_scale`` a loaded
+    scale serves the next step, then the configured one is back, as in
+    mmengine.
   * With ``error_if_nonfinite=True`` an overflow raises, as it does in
     mmengine, where ``clip_grad_norm_`` sees the unscaled inf first.
   * ``apply_gradients(grads)`` expects gradients of the *scaled* loss (what
@@ -192,8 +209,9 @@ class AmpOptimWrapper(OptimWrapper):
     if cfg.kind == "disabled":
       return inner
     if cfg.kind == "static":
-      return ls.static_loss_scale(inner, cfg.init_scale, stall_after=self._stall_after,
-                                  on_stall="ignore")  # the wrapper reports stalls itself
+      static = ls.static_loss_scale(inner, cfg.init_scale, stall_after=self._stall_after,
+                                    on_stall="ignore")  # the wrapper reports stalls itself
+      return _back_to_scale(static, cfg.init_scale)
     rule = cfg.rule
     return ls.dynamic_loss_scale(
         inner, init_scale=cfg.init_scale, growth_factor=rule.growth_factor,
