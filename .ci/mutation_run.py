@@ -9,7 +9,8 @@ The mutants listed in .ci/mutation_equivalent.txt are not run: they survive by d
 the score leaves them out, and each would cost every one of its covering tests.
 
 MUTATION_PENDING=1 runs only the mutants that have no result yet, also when mutant names
-or globs are given (mutmut reruns every mutant a name matches).
+or globs are given (mutmut reruns every mutant a name matches); MUTATION_PENDING=survivors runs
+those and the survivors of earlier runs (after tests were added for them).
 
 MUTATION_SKIP_CLEAN=1 skips mutmut's clean-test pass: before the mutants, mutmut runs every
 test that covers them on the unmutated code. The stats pass of the same run (or of an
@@ -26,7 +27,7 @@ from mutmut.state import state
 from mutmut.workers import isolation
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from mutation_score import equivalent  # noqa: E402
+from mutation_score import SURVIVED, equivalent  # noqa: E402
 
 _submit = isolation.ForkServerRunner.submit
 _collect = mutmut_main.collect_source_file_mutation_data
@@ -41,9 +42,10 @@ def _submit_fastest_first(self, mutant_name, tests, cpu_time_limit, estimated_ti
 def _collect_to_run(*, mutant_names):
   mutants, by_path = _collect(mutant_names=mutant_names)
   skip = equivalent()
-  pending = os.environ.get("MUTATION_PENDING") == "1"
+  pending = os.environ.get("MUTATION_PENDING", "")
+  again = {"1": {None}, "survivors": {None, *SURVIVED}}.get(pending)
   return [(data, name, result) for data, name, result in mutants
-          if name not in skip and not (pending and result is not None)], by_path
+          if name not in skip and (again is None or result in again)], by_path
 
 
 isolation.ForkServerRunner.submit = _submit_fastest_first

@@ -95,11 +95,119 @@ def test_hysteresis_and_bounds_in_dict():
     (None, TypeError, "but got None"),
     (dict(init_scale=4.0, foo=1), TypeError, "unexpected keyword argument 'foo'"),
     (dict(growth_factor=0.5), ValueError, "growth_factor"),
-    (-1.0, ValueError, "loss_scale"),
+    (-1.0, ValueError, r"^loss_scale must be a positive, finite number, got -1.0"),
+    (np.array([512.0]), TypeError, 'loss_scale must be of type float, dict, or "dynamic"'),
+    (np.array(512), TypeError, 'loss_scale must be of type float, dict, or "dynamic", but got 512'),
+    (jnp.int32(512), TypeError, 'loss_scale must be of type float, dict, or "dynamic", but got 512'),
+    (dict(enabled="no"), TypeError, r"^enabled must be a bool, got 'no'"),
 ])
 def test_bad_loss_scale(loss_scale, err, match):
   with pytest.raises(err, match=match):
     jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=loss_scale)
+
+
+@pytest.mark.parametrize("scale", [np.array(512.0), jnp.float32(512.0)], ids=["numpy", "jax"])
+def test_a_0d_float_array_loss_scale_is_the_same_static_scale_as_the_float(scale):
+  expected = run(jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=512.0),
+                 [False, True, False])
+  out = run(jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=scale),
+            [False, True, False])
+  assert [s for s, _ in out] == [s for s, _ in expected] == [512.0] * 3
+  np.testing.assert_array_equal([w for _, w in out], [w for _, w in expected])
+
+
+def test_a_loss_scale_dict_takes_pytorchs_defaults_and_ignores_the_device():
+  # GradScaler(growth_interval=1, device='cuda'): init_scale 65536, x2, x0.5, device unused.
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
+                                   loss_scale=dict(growth_interval=1, device="cuda"))
+  assert wrapper.state_dict()["loss_scaler"] == {
+      "scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1,
+      "_growth_tracker": 0}
+  assert [s for s, _ in run(wrapper, [False, True])] == [131072.0, 65536.0]
+
+
+def test_max_scale_and_backoff_factor_in_dict():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=dict(
+      init_scale=8.0, growth_interval=1, max_scale=16.0, backoff_factor=0.25))
+  assert [s for s, _ in run(wrapper, [False, False, True, True])] == [16.0, 16.0, 4.0, 1.0]
+
+
+def test_a_bad_stall_after_is_refused_by_its_name():
+  with pytest.raises(ValueError, match=r"^stall_after must be an int >= 1, got 0"):
+    jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), stall_after=0)
+
+
+@pytest.mark.parametrize("loss_scale", [512.0, dict(init_scale=512.0)], ids=["static", "dynamic"])
+def test_stall_after_sets_the_stalled_flag_and_on_stall_ignore_stays_silent(loss_scale):
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=loss_scale,
+                                   stall_after=2, stall_check_every=1, on_stall="ignore")
+  stalled = []
+  for bad in (True, True, True, False):
+    wrapper.update_params(bad_loss, X, jnp.asarray(bad))
+    stalled.append(bool(wrapper.step_metrics()["stalled"]))
+  jax.effects_barrier()  # a warning from inside the step (an error here) would surface by now
+  assert stalled == [False, True, True, False]
+
+
+def _stalled_at(bad, steps, **kwargs):
+  """The step (1-based) that raised the stall, or None; the first ``bad`` steps overflow."""
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), stall_after=1, on_stall="raise",
+                                   **kwargs)
+  for i in range(1, steps + 1):
+    try:
+      wrapper.update_params(bad_loss, X, jnp.asarray(i <= bad))
+    except jaxamp.StalledError:
+      return i
+    jax.block_until_ready(wrapper.loss_scaler)  # the flag kept is computed by the next step
+  return None
+
+
+def test_the_stall_flag_is_read_every_stall_check_every_steps_ten_by_default():
+  # The flag of every stall_check_every-th step is read: with the default (10) a stall over
+  # steps 1-10 is found, at step 10 or (when its flag was not computed yet) 11, and one that
+  # ends sooner is not.
+  assert _stalled_at(2, 4, stall_check_every=2) in (2, 3)
+  assert _stalled_at(10, 12) in (10, 11)
+  assert _stalled_at(9, 12) is None
+
+
+def test_step_metrics_hold_the_norm_before_clipping_only_when_clipping_by_norm():
+  clipped = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), clip_grad=dict(max_norm=1.0),
+                                   loss_scale=dict(init_scale=4.0))
+  plain = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=dict(init_scale=4.0))
+  for wrapper in (clipped, plain):
+    wrapper.update_params(bad_loss, X, jnp.asarray(False))
+  keys = {"loss_scale", "skipped", "skipped_steps", "skip_streak", "stalled"}
+  assert set(clipped.step_metrics()) == keys | {"grad_norm"}  # what a logger writes
+  assert float(clipped.step_metrics()["grad_norm"]) == 5.0  # |(3, 4)|, unscaled, not clipped
+  assert set(plain.step_metrics()) == keys
+
+
+def test_a_bfloat16_dtype_runs_the_matmuls_in_bfloat16():
+  # 1 + 2**-9 rounds to 1 in bfloat16 (8 significant bits) but not in float16 or float32.
+  x = jnp.array([1.0 + 2.0**-9, 0.0], jnp.float32)
+  loss_fn = lambda p, x: jnp.dot(x, p["w"])
+  by_hand = jnp.dot(x.astype(jnp.bfloat16), w_params()["w"].astype(jnp.bfloat16))
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), dtype="bfloat16")
+  loss = wrapper.update_params(loss_fn, x=x)  # keyword arguments reach the loss function too
+  assert loss.dtype == jnp.float32 and float(loss) == float(by_hand) == 1.0
+
+
+def test_a_disabled_scaler_is_the_plain_optim_wrapper():
+  # GradScaler(enabled=False): the optimizer steps unconditionally, inf gradients included.
+  plain = jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9), w_params())
+  amp = jaxamp.AmpOptimWrapper(optax.sgd(0.1, momentum=0.9), w_params(),
+                               loss_scale=dict(enabled=False))
+  for bad in (False, True, False):
+    if bad:
+      amp.load_state_dict(amp.state_dict())  # loads nothing into the scaler, breaks nothing
+    for wrapper in (plain, amp):
+      wrapper.update_params(bad_loss, X, jnp.asarray(bad))
+    assert _bits((amp.params, amp.opt_state)) == _bits((plain.params, plain.opt_state))
+  assert not np.isfinite(np.asarray(amp.params["w"])).any()
+  for wrapper in (plain, amp):
+    with pytest.raises(TypeError, match=r"step\(closure=...\) is not supported"):
+      wrapper.step(closure=lambda: 0.0)
 
 
 def test_disabled_scaler():
@@ -314,6 +422,107 @@ def test_loading_other_scaler_factors_rebuilds_once():
   assert dict(trace_counts(wrapper)) == {k: 2 * v for k, v in before.items()}  # rebuilt once
   assert wrapper.get_scale() == 128.0
   assert wrapper.state_dict()["loss_scaler"]["growth_factor"] == 4.0
+  sd["loss_scaler"].update(backoff_factor=0.25, scale=128.0)
+  wrapper.load_state_dict(sd)
+  assert [s for s, _ in run(wrapper, [True])] == [32.0]
+
+
+def test_a_load_keeps_the_configured_hysteresis_and_scale_bounds():
+  # hysteresis, min_scale and max_scale are not in PyTorch's state dict: the configured ones stay.
+  def slow():
+    return jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
+                                  loss_scale=dict(init_scale=8.0, hysteresis=2))
+
+  first = slow()
+  first.load_state_dict(first.state_dict())
+  assert [s for s, _ in run(first, [True, True, True])] == [8.0, 4.0, 4.0]
+  saved = first.state_dict()
+  assert saved["loss_scaler"]["_hysteresis_tracker"] == 1  # one overflow not yet acted on
+  resumed = slow()
+  resumed.load_state_dict(saved)
+  assert [s for s, _ in run(resumed, [True])] == [2.0]
+  low = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
+                               loss_scale=dict(init_scale=8.0, min_scale=4.0))
+  low.load_state_dict(low.state_dict())
+  assert [s for s, _ in run(low, [True, True])] == [4.0, 4.0]
+  high = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(),
+                                loss_scale=dict(init_scale=8.0, growth_interval=1, max_scale=16.0))
+  high.load_state_dict(high.state_dict())
+  assert [s for s, _ in run(high, [False, False])] == [16.0, 16.0]
+
+
+def _loads_nothing(wrapper, state_dict, err, match):
+  """Loads ``state_dict``, which must raise ``err``; checks that the wrapper kept its state."""
+  before = wrapper.state_dict()
+  params = _bits(wrapper.params)
+  with pytest.raises(err, match=match):
+    wrapper.load_state_dict(state_dict)
+  after = wrapper.state_dict()
+  assert after["loss_scaler"] == before["loss_scaler"]
+  assert _bits(after["state"]) == _bits(before["state"]) and _bits(wrapper.params) == params
+
+
+def test_bad_scaler_values_are_refused_by_their_key():
+  wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1, momentum=0.9), w_params(), loss_scale=dict(
+      init_scale=8.0, max_scale=16.0, hysteresis=2))
+  run(wrapper, [False, True])
+  good = wrapper.state_dict()
+  key = r"^state_dict\['loss_scaler'\]"
+  for name, value, err, match in [
+      ("scale", 32.0, ValueError,
+       key + r"\['scale'\] must lie in \[min_scale, max_scale\] = \[.*, 16.0\], got 32.0"),
+      ("scale", 0.0, ValueError, key + r"\['scale'\] must be a positive, finite number, got 0.0"),
+      ("_growth_tracker", 1.5, TypeError, key + r"\['_growth_tracker'\] must be an int, got 1.5"),
+      ("_hysteresis_tracker", -1, ValueError,
+       key + r"\['_hysteresis_tracker'\] must be an int >= 0, got -1"),
+  ]:
+    bad = dict(good, loss_scaler=dict(good["loss_scaler"], **{name: value}))
+    _loads_nothing(wrapper, bad, err, match)
+
+
+def test_a_static_scale_round_trips_and_refuses_a_bad_loaded_scale():
+  full = jaxamp.AmpOptimWrapper(optax.sgd(0.1, momentum=0.9), w_params(), loss_scale=512.0)
+  expected = run(full, PATTERN[:5])
+  first = jaxamp.AmpOptimWrapper(optax.sgd(0.1, momentum=0.9), w_params(), loss_scale=512.0)
+  run(first, PATTERN[:2])
+  saved = copy.deepcopy(first.state_dict())
+  resumed = jaxamp.AmpOptimWrapper(optax.sgd(0.1, momentum=0.9), w_params(), loss_scale=512.0)
+  resumed.params = first.params
+  resumed.load_state_dict(saved)
+  out = run(resumed, PATTERN[2:5])
+  assert [s for s, _ in out] == [s for s, _ in expected[2:]]
+  np.testing.assert_array_equal([w for _, w in out], [w for _, w in expected[2:]])
+  bad = dict(saved, loss_scaler=dict(saved["loss_scaler"], scale=0.0))
+  _loads_nothing(resumed, bad, ValueError,
+                 r"^state_dict\['loss_scaler'\]\['scale'\] must be a positive, finite number, "
+                 "got 0.0")
+  # A static scale does not use the factors but keeps them, as GradScaler does; a bad one is
+  # refused.
+  kept = dict(saved["loss_scaler"], growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
+  resumed.load_state_dict(dict(saved, loss_scaler=kept))
+  assert resumed.state_dict()["loss_scaler"] == kept
+  assert [s for s, _ in run(resumed, [True, False])] == [512.0, 512.0]
+  for name, value, err in [("growth_factor", 0.5, ValueError), ("backoff_factor", "x", TypeError),
+                           ("growth_interval", 0, ValueError)]:
+    bad = dict(saved, loss_scaler=dict(saved["loss_scaler"], **{name: value}))
+    _loads_nothing(resumed, bad, err, "^" + name)
+
+
+def test_a_scale_loaded_into_a_static_wrapper_serves_one_step_as_in_mmengine():
+  # mmengine's static scale calls GradScaler.update(loss_scale) after every step: a scale loaded
+  # from a dynamic run's state dict scales the next loss, then the configured one is back.
+  dynamic = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=dict(init_scale=64.0))
+  static = jaxamp.AmpOptimWrapper(optax.sgd(0.1), w_params(), loss_scale=512.0)
+  static.load_state_dict(dynamic.state_dict())
+  assert static.get_scale() == 64.0
+  static.backward(bad_loss, X, jnp.asarray(False))
+  np.testing.assert_array_equal(static.grads["w"], 64.0 * np.asarray(X))  # the loaded scale
+  static.step()
+  static.zero_grad()
+  assert static.get_scale() == 512.0
+  assert static.state_dict()["loss_scaler"]["scale"] == 512.0
+  np.testing.assert_allclose(static.params["w"], 1 - 0.1 * np.asarray(X), rtol=1e-6)
+  assert [s for s, _ in run(static, [True, False])] == [512.0, 512.0]
 
 
 # -- donate=True: in-place buffers, identical numerics ----------------------------------------

@@ -68,6 +68,21 @@ def parse_loss_scale(loss_scale: Any) -> ScalerConfig:
   raise TypeError(f'loss_scale must be of type float, dict, or "dynamic", but got {loss_scale}')
 
 
+def _back_to_scale(tx: optax.GradientTransformation, scale: float) -> optax.GradientTransformation:
+  """``tx`` with its state's scale set to ``scale`` after every update.
+
+  mmengine's static scale calls ``GradScaler.update(loss_scale)`` after each
+  step: a scale loaded from a state dict serves one step, then the configured
+  one is back.
+  """
+
+  def update(updates, state, params=None):
+    updates, state = tx.update(updates, state, params)
+    return updates, state._replace(scale=jnp.full_like(state.scale, scale))
+
+  return optax.GradientTransformation(tx.init, update)
+
+
 class AmpOptimWrapper(OptimWrapper):
   """mmengine's ``AmpOptimWrapper``: :class:`OptimWrapper` with loss scaling and a compute dtype.
 
@@ -86,7 +101,8 @@ class AmpOptimWrapper(OptimWrapper):
   at each op. ``cast='whole'`` casts every floating param and array input to
   ``dtype`` instead (:func:`jaxamp.mixed_precision`, jmp's way, this
   wrapper's behaviour before autocast). Either way the master params and the
-  gradients stay float32 and the loss is returned in float32. ``dtype=None``
+  gradients stay float32 and the loss (with ``has_aux``, the floating leaves
+  of the aux output too) is returned in float32. ``dtype=None``
   casts nothing: the loss function runs as written (e.g. a Flax module with
   its own ``dtype``). :meth:`optim_context` yields the whole-cast function,
   for code the user runs in the compute dtype himself.
@@ -99,7 +115,9 @@ class AmpOptimWrapper(OptimWrapper):
   * ``state_dict()['loss_scaler']`` is PyTorch's GradScaler format (Python
     values), plus ``'_hysteresis_tracker'`` when ``hysteresis > 1``. Loading
     growth or backoff factors or an interval that differ from the current
-    ones rebuilds the step (one recompilation).
+    ones rebuilds the step (one recompilation). With a float ``loss_scale`` a loaded
+    scale serves the next step, then the configured one is back, as in
+    mmengine.
   * With ``error_if_nonfinite=True`` an overflow raises, as it does in
     mmengine, where ``clip_grad_norm_`` sees the unscaled inf first.
   * ``apply_gradients(grads)`` expects gradients of the *scaled* loss (what
@@ -191,8 +209,9 @@ class AmpOptimWrapper(OptimWrapper):
     if cfg.kind == "disabled":
       return inner
     if cfg.kind == "static":
-      return ls.static_loss_scale(inner, cfg.init_scale, stall_after=self._stall_after,
-                                  on_stall="ignore")  # the wrapper reports stalls itself
+      static = ls.static_loss_scale(inner, cfg.init_scale, stall_after=self._stall_after,
+                                    on_stall="ignore")  # the wrapper reports stalls itself
+      return _back_to_scale(static, cfg.init_scale)
     rule = cfg.rule
     return ls.dynamic_loss_scale(
         inner, init_scale=cfg.init_scale, growth_factor=rule.growth_factor,
@@ -220,11 +239,15 @@ class AmpOptimWrapper(OptimWrapper):
     return self._scaler.kind != "disabled"
 
   def _compute_in_dtype(self, loss_fn: Callable) -> Callable:
-    if self._amp_policy is None:
+    policy = self._amp_policy
+    if policy is None:
       return loss_fn
     if self._cast == "autocast" and self.cast_dtype in (jnp.float16, jnp.bfloat16):
-      return autocast_lib.autocast(loss_fn, self.cast_dtype)
-    return policy_lib.mixed_precision(loss_fn, self._amp_policy)
+      autocast_fn = autocast_lib.autocast(loss_fn, self.cast_dtype)
+      # A loss whose last operation is a matmul comes out in the compute dtype: returned in
+      # float32, as the whole cast returns it.
+      return lambda *args, **kwargs: policy.cast_to_output(autocast_fn(*args, **kwargs))
+    return policy_lib.mixed_precision(loss_fn, policy)
 
   def _cast_fn(self) -> Callable[[Any], Any]:
     policy = self._amp_policy
@@ -294,18 +317,15 @@ class AmpOptimWrapper(OptimWrapper):
                               scaler["_growth_tracker"])
     hysteresis_tracker = outside.counter("state_dict['loss_scaler']['_hysteresis_tracker']",
                                          scaler.get("_hysteresis_tracker", 0))
-    new_cfg = cfg
-    if cfg.kind == "dynamic":
-      rule = ls.make_rule(growth_factor=scaler["growth_factor"],
-                          backoff_factor=scaler["backoff_factor"],
-                          growth_interval=scaler["growth_interval"],
-                          hysteresis=cfg.rule.hysteresis, min_scale=cfg.rule.min_scale,
-                          max_scale=cfg.rule.max_scale)
-      new_cfg = dataclasses.replace(cfg, rule=rule)
-      scale = outside.scale("state_dict['loss_scaler']['scale']", scaler["scale"],
-                            rule.min_scale, rule.max_scale)
-    else:
-      scale = outside.scale("state_dict['loss_scaler']['scale']", scaler["scale"])
+    # Kept (and checked) for a static scale too, which does not use them, as GradScaler keeps them.
+    rule = ls.make_rule(growth_factor=scaler["growth_factor"],
+                        backoff_factor=scaler["backoff_factor"],
+                        growth_interval=scaler["growth_interval"],
+                        hysteresis=cfg.rule.hysteresis, min_scale=cfg.rule.min_scale,
+                        max_scale=cfg.rule.max_scale)
+    new_cfg = dataclasses.replace(cfg, rule=rule)
+    scale = outside.scale("state_dict['loss_scaler']['scale']", scaler["scale"],
+                          rule.min_scale, rule.max_scale)
 
     def install(state):
       if new_cfg != self._scaler:
