@@ -525,6 +525,17 @@ def test_a_scale_loaded_into_a_static_wrapper_serves_one_step_as_in_mmengine():
   assert [s for s, _ in run(static, [True, False])] == [512.0, 512.0]
 
 
+def test_a_static_scale_gives_the_optimizer_the_params():
+  # Weight decay reads the params: the static wrapper's step is plain optax's on the same grads.
+  tx = optax.chain(optax.add_decayed_weights(0.5), optax.sgd(0.1))
+  wrapper = jaxamp.AmpOptimWrapper(tx, w_params((1.0, -2.0)), loss_scale=512.0)
+  wrapper.update_params(bad_loss, X, jnp.asarray(False))
+  params = w_params((1.0, -2.0))
+  updates, _ = tx.update({"w": X}, tx.init(params), params)
+  np.testing.assert_allclose(wrapper.params["w"], optax.apply_updates(params, updates)["w"],
+                             rtol=1e-6)
+
+
 # -- donate=True: in-place buffers, identical numerics ----------------------------------------
 
 DONATE_PATTERN = (False, True, False, False, "nan", False, True, True, False, False)
