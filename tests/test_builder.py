@@ -568,3 +568,14 @@ def test_custom_keys_set_an_optax_factorys_own_arguments():
   wrapper.apply_gradients({"a": jnp.ones(2), "b": jnp.ones(2)})
   np.testing.assert_allclose(wrapper.params["a"], 0.5, rtol=1e-6)
   np.testing.assert_allclose(wrapper.params["b"], 0.9, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad"])
+def test_a_torch_optimizer_updated_without_params_names_itself(name):
+  # PyTorch's optimizers always hold their params; the optax transformation needs them passed
+  # (weight decay reads them), and says which optimizer asked.
+  params = {"w": jnp.ones(2, jnp.float32)}
+  wrapper = jaxamp.build_optim_wrapper(params, dict(optimizer=dict(type=name, lr=0.1)))
+  tx = wrapper.optimizer.transformation
+  with pytest.raises(ValueError, match=rf"^{name} needs the params in update"):
+    tx.update({"w": jnp.ones(2, jnp.float32)}, tx.init(params))
