@@ -259,6 +259,13 @@ def _fp8_loss(v, x):
   return jnp.mean(_Fp8Dense().apply(v, x) ** 2)
 
 
+def _flax_sgd_on_unscaled(variables, grads, scale):
+  """flax's TrainState with sgd(0.1) on the unscaled param gradients, the fp8 values as returned."""
+  unscaled = {**grads, "params": jax.tree.map(lambda g: g / scale, grads["params"])}
+  return flax_train_state.TrainState.create(
+      apply_fn=None, params=variables, tx=optax.sgd(0.1)).apply_gradients(grads=unscaled).params
+
+
 @pytest.mark.parametrize("unscale_first", [True, False])
 @pytest.mark.parametrize("overflow", [False, True])
 def test_unscale_checks_the_values_flax_fp8_layers_return_and_leaves_them_unscaled(overflow,
@@ -281,9 +288,7 @@ def test_unscale_checks_the_values_flax_fp8_layers_return_and_leaves_them_unscal
   if overflow:  # skipped, as for an inf gradient: nothing written, the scale backs off
     want, want_scale = variables, scale / 2
   else:  # flax's TrainState on the unscaled gradients, the fp8 values as returned
-    want = flax_train_state.TrainState.create(
-        apply_fn=None, params=variables, tx=optax.sgd(0.1)).apply_gradients(
-            grads={**grads, "params": jax.tree.map(lambda g: g / scale, grads["params"])}).params
+    want = _flax_sgd_on_unscaled(variables, grads, scale)
     want_scale = scale
   assert scaler.get_scale() == want_scale
   jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), wrapper.params, want)
@@ -302,9 +307,7 @@ def test_amp_optim_wrapper_skips_on_an_overflow_only_flax_fp8_layers_return(over
   if overflow:  # skipped, fp8 values included; the scale backs off
     want, want_scale = variables, scale / 2
   else:
-    want = flax_train_state.TrainState.create(
-        apply_fn=None, params=variables, tx=optax.sgd(0.1)).apply_gradients(
-            grads={**grads, "params": jax.tree.map(lambda g: g / scale, grads["params"])}).params
+    want = _flax_sgd_on_unscaled(variables, grads, scale)
     want_scale = scale
   assert wrapper.get_scale() == want_scale
   jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), wrapper.params, want)
