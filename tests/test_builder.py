@@ -88,7 +88,8 @@ def ref_adagrad(p, gs, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumula
   return p
 
 
-REFS = {"SGD": ref_sgd, "Adam": ref_adam, "AdamW": lambda p, gs, **kw: ref_adam(
+REFS = {"SGD": ref_sgd, "Adam": lambda p, gs, decoupled_weight_decay=False, **kw: ref_adam(
+    p, gs, **kw, decoupled=decoupled_weight_decay), "AdamW": lambda p, gs, **kw: ref_adam(
     p, gs, **dict(dict(weight_decay=1e-2), **kw), decoupled=True),
         "RMSprop": ref_rmsprop, "Adagrad": ref_adagrad}
 
@@ -100,10 +101,13 @@ REFS = {"SGD": ref_sgd, "Adam": ref_adam, "AdamW": lambda p, gs, **kw: ref_adam(
     dict(type="SGD", lr=0.05, momentum=0.8, nesterov=True, weight_decay=1e-3),
     dict(type="Adam", lr=0.01),
     dict(type="Adam", lr=0.01, betas=(0.8, 0.99), weight_decay=0.1, amsgrad=True),
+    dict(type="Adam", lr=0.01, weight_decay=0.1, maximize=True),
+    dict(type="Adam", lr=0.01, weight_decay=0.5, decoupled_weight_decay=True),
     dict(type="AdamW", lr=0.01),
     dict(type="AdamW", lr=0.01, weight_decay=0.5, amsgrad=True, eps=1e-6),
     dict(type="RMSprop", lr=0.01),
     dict(type="RMSprop", lr=0.01, alpha=0.9, weight_decay=0.1, momentum=0.5, centered=True),
+    dict(type="RMSprop", lr=0.01, weight_decay=0.1, maximize=True),
     dict(type="Adagrad", lr=0.1),
     dict(type="Adagrad", lr=0.1, lr_decay=0.1, weight_decay=0.01, initial_accumulator_value=0.5,
          maximize=True),
