@@ -99,9 +99,12 @@ REFS = {"SGD": ref_sgd, "Adam": lambda p, gs, decoupled_weight_decay=False, **kw
     dict(type="SGD", lr=0.1, momentum=0.9, weight_decay=1e-2),
     dict(type="SGD", lr=0.05, momentum=0.9, dampening=0.3, maximize=True),
     dict(type="SGD", lr=0.05, momentum=0.8, nesterov=True, weight_decay=1e-3),
+    dict(type="SGD", lr=0.01, momentum=1.0),
+    dict(type="SGD", lr=0.01, weight_decay=1.0),
     dict(type="Adam", lr=0.01),
     dict(type="Adam", lr=0.01, betas=(0.8, 0.99), weight_decay=0.1, amsgrad=True),
     dict(type="Adam", lr=0.01, weight_decay=0.1, maximize=True),
+    dict(type="Adam", lr=0.01, betas=(0.0, 0.999)),
     dict(type="Adam", lr=0.01, weight_decay=0.5, decoupled_weight_decay=True),
     dict(type="AdamW", lr=0.01),
     dict(type="AdamW", lr=0.01, weight_decay=0.5, amsgrad=True, eps=1e-6),
@@ -109,6 +112,7 @@ REFS = {"SGD": ref_sgd, "Adam": lambda p, gs, decoupled_weight_decay=False, **kw
     dict(type="RMSprop", lr=0.01, alpha=0.9, weight_decay=0.1, momentum=0.5, centered=True),
     dict(type="RMSprop", lr=0.01, weight_decay=0.1, maximize=True),
     dict(type="Adagrad", lr=0.1),
+    dict(type="Adagrad", lr=0.1, eps=0.5),
     dict(type="Adagrad", lr=0.1, lr_decay=0.1, weight_decay=0.01, initial_accumulator_value=0.5,
          maximize=True),
 ])
@@ -122,6 +126,13 @@ def test_optimizers_follow_pytorch(cfg):
                                  **kw)
     np.testing.assert_allclose(wrapper.params[key], expected, rtol=2e-6, atol=2e-7)
   assert trace_counts(wrapper) == {"apply": 1}
+
+
+def test_pytorchs_performance_switches_are_ignored_and_the_keys_after_them_still_apply():
+  wrapper = jaxamp.build_optim_wrapper(PARAMS, dict(
+      optimizer=dict(type="SGD", foreach=True, lr=0.5, fused=False, momentum=0.9)))
+  assert wrapper.get_lr() == {"lr": [0.5]}
+  assert wrapper.get_momentum() == {"momentum": [0.9]}
 
 
 def test_defaults_hyperparameters_and_set_lr_without_recompiling():
@@ -163,6 +174,15 @@ def _sgd_with_default_lr(learning_rate=0.1):
     (dict(optimizer=dict(type="Adam", betas=(0.9, 1.0))), ValueError,
      "Invalid beta parameter at index 1: 1.0"),
     (dict(optimizer=dict(type="Adam", eps=-1.0)), ValueError, "Invalid epsilon value: -1.0"),
+    (dict(optimizer=dict(type="Adam", betas=("x", 0.9))), TypeError,
+     r"^betas\[0\] must be a real number"),
+    (dict(optimizer=dict(type="Adam", betas=(0.9, "y"))), TypeError,
+     r"^betas\[1\] must be a real number"),
+    (dict(optimizer=dict(type="Adam", betas=(0.9, 0.99, 0.5))), TypeError,
+     "betas must be a pair of numbers"),
+    (dict(optimizer=dict(type="Adagrad", initial_accumulator_value="x")), TypeError,
+     "^initial_accumulator_value must be a real number"),
+    (dict(optimizer=dict(type="Adam", amsgrad="yes")), TypeError, "^amsgrad must be a bool"),
     (dict(optimizer=dict(type="RMSprop", alpha=-0.1)), ValueError, "Invalid alpha value: -0.1"),
     (dict(optimizer=dict(type="Adagrad", lr_decay=-1.0)), ValueError, "Invalid lr_decay value"),
     (dict(optimizer=dict(type="SGD", lr=0.1, weight_decay=-1.0)), ValueError,
