@@ -10,7 +10,10 @@ plain step. Variants:
 - ``jaxamp_plain_select``: the same with ``jaxamp.set_fused_selection(False)``;
 - ``apply_if_finite``: optax alone: a hand-scaled loss, unscaling,
   ``optax.apply_if_finite(inner)`` and a hand-written scale update;
-- ``train_state``: ``jaxamp.TrainState`` (whole-step models only).
+- ``train_state``: ``jaxamp.TrainState`` (whole-step models only);
+- ``check_only``: the plain step that also runs jaxamp's finite check on its
+  gradients and returns the flags: no unscaling, no selection, no scale
+  update. It is what any check that reads every leaf adds at the least.
 
 Two problems: a sweep over the number of parameter leaves (``--leaves``,
 each a 64 x 64 matrix, the loss a sum over leaves of a small matmul's mean
@@ -18,7 +21,10 @@ square), and the LM of ``benchmarks/bench_train_step.py``. With
 ``--autocast`` the loss runs under ``jaxamp.autocast(loss, float16)``
 (otherwise the leaf sweep is float32 and the LM is cast whole to float16).
 ``--hlo`` also prints the instruction and computation counts of the lowered
-and compiled modules.
+and compiled modules. ``--xla-passes`` reads XLA's own timers from its log:
+the seconds of its HLO passes (the largest by name) and of its code generation,
+which the compile phase is made of, and how many distinct kernels it compiled to
+machine code, with the seconds they took (summed over XLA's compile threads).
 
 Run: ``python benchmarks/bench_compile.py [--leaves 10 100 400 1000] [--lm] [--autocast]``.
 """
@@ -26,18 +32,25 @@ Run: ``python benchmarks/bench_compile.py [--leaves 10 100 400 1000] [--lm] [--a
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, Sequence
 
-import jax
+XLA_PASSES = "--xla-passes" in sys.argv
+if XLA_PASSES:  # read by XLA's logging when jax first loads: it must precede the import
+  os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+  os.environ["TF_CPP_VMODULE"] = "hlo_pass_pipeline=1,cpu_compiler=1,gpu_compiler=1,fusion_compiler=1,ir_compiler=1"
+
+import jax  # noqa: E402
 import jax.numpy as jnp
-import numpy as np
-import optax
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -120,8 +133,21 @@ def with_train_state(inner, loss):
   return init, step
 
 
+def check_only(inner, loss):
+  def init(params):
+    return inner.init(params), finite.check(params)
+
+  def step(params, state, batch):
+    grads = jax.grad(loss)(params, batch)
+    updates, inner_state = inner.update(grads, state[0], params)
+    return optax.apply_updates(params, updates), (inner_state, finite.check(grads))
+
+  return init, step
+
+
 VARIANTS: Dict[str, Callable] = {
     "plain": plain,
+    "check_only": check_only,
     "jaxamp": with_jaxamp,
     "jaxamp_plain_select": with_jaxamp,
     "apply_if_finite": with_apply_if_finite_step,
@@ -204,20 +230,71 @@ def count_hlo(lowered, compiled) -> Dict[str, int]:
   }
 
 
-def time_once(make_variant: Callable, inner, loss, params, batch, fused: bool = True,
-              part: str = "") -> tuple[Dict[str, float], Dict[str, int]]:
-  """Seconds of each phase for a freshly built step (nothing cached), and its HLO counts.
+_TIME = r"time: ([\d.]+) (us|ms|s) "
+_UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
-  ``part``: a key of :data:`PARTS`, switched off while the step is traced."""
+
+@contextlib.contextmanager
+def xla_log():
+  """Collects what XLA logs (file descriptor 2) inside the block, as a list of one string."""
+  box: list = []
+  with tempfile.TemporaryFile() as tmp:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield box
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      tmp.seek(0)
+      box.append(tmp.read().decode(errors="replace"))
+
+
+def xla_seconds(log: str) -> Dict[str, float]:
+  """XLA's timers for the module ``jit_step``: its HLO passes, each pass, and code generation."""
+  seconds: Dict[str, float] = collections.Counter()
+  # The log holds every module compiled in the block; each pipeline's passes follow its header.
+  for segment in re.split(r"Running HLO pass pipeline on module ", log)[1:]:
+    if segment.startswith("jit_step:"):
+      for name, value, unit in re.findall(r"HLO pass: (\S+) " + _TIME, segment):
+        seconds["pass " + name] += float(value) * _UNIT[unit]
+  # Code generation compiles each distinct kernel (identical fusions share one) to machine code.
+  codegen = re.search(r"Compiling: jit_step\n(.*?)Compiling \[jit_step\]", log, re.S)
+  kernels = re.findall(r"Compiled LLVM module: \S+ " + _TIME, codegen.group(1) if codegen else "")
+  seconds["kernels"] = len(kernels)
+  seconds["kernel codegen"] = sum(
+      float(v) * _UNIT[u] for v, u in
+      re.findall(r"Compiled (?:LLVM|MLIR) module: \S+ " + _TIME, codegen.group(1) if codegen else ""))
+  for key, label in (("HLO passes", r"Running HLO passes on \[jit_step\] for \w+ "),
+                     ("code generation", r"Compiling \[jit_step\] for \w+ using JIT ")):
+    match = re.search(label + _TIME, log)
+    seconds[key] = float(match.group(1)) * _UNIT[match.group(2)] if match else float("nan")
+  return seconds
+
+
+def time_once(make_variant: Callable, inner, make_loss: Callable, params, batch,
+              fused: bool = True, part: str = ""
+              ) -> tuple[Dict[str, float], Dict[str, int], Dict[str, float]]:
+  """Seconds of each phase for a freshly built step (nothing cached), its HLO counts and, with
+  ``--xla-passes``, XLA's timers.
+
+  ``make_loss()`` returns a new loss function, so that no trace of it (an autocast trace
+  included) is reused. ``part``: a key of :data:`PARTS`, switched off while the step is traced."""
   previous = jaxamp.set_fused_selection(fused)
   off = PARTS[part]() if part else contextlib.nullcontext()
+  logged = xla_log() if XLA_PASSES else contextlib.nullcontext([""])
   try:
+    log = logged.__enter__()
     off.__enter__()
-    init, step = make_variant(inner, loss)
+    init, inner_step = make_variant(inner, make_loss())
     state = jax.jit(init)(params)
-    fresh = lambda *a: step(*a)  # noqa: E731 -- a new function: JAX's trace cache misses
+
+    def step(*args):  # a new function each time: JAX's trace cache misses
+      return inner_step(*args)
+
     t0 = CLOCK()
-    traced = jax.jit(fresh, donate_argnums=(0, 1)).trace(params, state, batch)
+    traced = jax.jit(step, donate_argnums=(0, 1)).trace(params, state, batch)
     t1 = CLOCK()
     lowered = traced.lower()
     t2 = CLOCK()
@@ -225,24 +302,27 @@ def time_once(make_variant: Callable, inner, loss, params, batch, fused: bool = 
     t3 = CLOCK()
   finally:
     off.__exit__(None, None, None)
+    logged.__exit__(None, None, None)
     jaxamp.set_fused_selection(previous)
-  return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2))), count_hlo(lowered, compiled)
+  xla = xla_seconds(log[0]) if XLA_PASSES else {}
+  return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2))), count_hlo(lowered, compiled), xla
 
 
-def measure(names: Sequence[str], inner, loss, params, batch, repeats: int
+def measure(names: Sequence[str], inner, make_loss: Callable, params, batch, repeats: int
             ) -> tuple[Dict[str, Dict[str, float]], Dict[str, Dict[str, int]]]:
-  """Median seconds per phase of each variant over ``repeats`` interleaved rounds."""
-  samples: Dict[str, Dict[str, list]] = {n: {p: [] for p in PHASES} for n in names}
+  """Median seconds per phase (and per XLA timer) of each variant over ``repeats`` interleaved
+  rounds, and the HLO counts."""
+  samples: Dict[str, Dict[str, list]] = {n: collections.defaultdict(list) for n in names}
   counts: Dict[str, Dict[str, int]] = {}
   for r in range(repeats):
     order = list(names[r % len(names):]) + list(names[:r % len(names)])
     for name in order:
       variant, _, part = name.partition(":")
-      times, counts[name] = time_once(VARIANTS[variant], inner, loss, params, batch,
-                                      fused=name != "jaxamp_plain_select", part=part)
-      for phase, t in times.items():
-        samples[name][phase].append(t)
-  medians = {n: {p: statistics.median(v) for p, v in s.items()} for n, s in samples.items()}
+      times, counts[name], xla = time_once(VARIANTS[variant], inner, make_loss, params, batch,
+                                           fused=name != "jaxamp_plain_select", part=part)
+      for key, t in {**times, **xla}.items():
+        samples[name][key].append(t)
+  medians = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
   return medians, counts
 
 
@@ -262,6 +342,28 @@ def print_table(title: str, medians: Dict[str, Dict[str, float]], counts: Dict[s
       row += (f"   {c['lowered_ops']:>8}/{c['lowered_funcs']:<8}"
               f"  {c['hlo_instructions']:>8}/{c['hlo_computations']:<6}")
     print(f"  {name:<{width}}{row}")
+  if XLA_PASSES:
+    print_xla_seconds(medians, width)
+
+
+def print_xla_seconds(medians: Dict[str, Dict[str, float]], width: int, top: int = 5) -> None:
+  """XLA's timers in seconds: its HLO passes, code generation, and the passes that take longest."""
+  widest = max(medians, key=lambda n: medians[n].get("HLO passes", 0.0))
+  passes = sorted((k for k in medians[widest] if k.startswith("pass ")),
+                  key=lambda k: -medians[widest][k])[:top]
+  columns = ["HLO passes", "code generation", "kernels", "kernel codegen"] + passes
+  print(f"  XLA's timers, seconds: {', '.join(c.removeprefix('pass ') for c in columns)}")
+  for name, m in medians.items():
+    print(f"  {name:<{width}}" + "".join(
+        f"{m.get(c, 0.0):9.0f} " if c == "kernels" else f"{m.get(c, 0.0):9.3f} " for c in columns))
+
+
+def fresh(loss: Callable, cast: bool) -> Callable[[], Callable]:
+  """A function that returns ``loss``, or with ``cast`` a new ``autocast`` of it each time (its
+  trace cache keys on the function, so each timing then pays for the interpretation)."""
+  if not cast:
+    return lambda: loss
+  return lambda: jaxamp.autocast(lambda *args: loss(*args), jnp.float16)
 
 
 def main(argv=None) -> None:
@@ -271,12 +373,15 @@ def main(argv=None) -> None:
   parser.add_argument("--autocast", choices=("off", "on", "both"), default="off")
   parser.add_argument("--clip", action="store_true", help="clip_by_global_norm(1.0) before adam")
   parser.add_argument("--variants", nargs="*",
-                      default=["plain", "jaxamp", "jaxamp_plain_select", "apply_if_finite"])
+                      default=["plain", "check_only", "jaxamp", "jaxamp_plain_select",
+                               "apply_if_finite"])
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--hlo", action="store_true", help="print HLO instruction counts")
   parser.add_argument("--attribute", action="store_true",
                       help="also the loss-scaled step with each part switched off (see PARTS)")
   parser.add_argument("--wall", action="store_true", help="wall-clock seconds, not CPU seconds")
+  parser.add_argument("--xla-passes", action="store_true",
+                      help="also XLA's timers: its HLO passes and its code generation")
   args = parser.parse_args(argv)
   if args.wall:
     global CLOCK
@@ -294,19 +399,16 @@ def main(argv=None) -> None:
   for cast in modes:
     for n in args.leaves:
       params, batch, loss = leaf_problem(n)
-      if cast:
-        loss = jaxamp.autocast(loss, jnp.float16)
-      medians, counts = measure(variants, inner, loss, params, batch, args.repeats)
+      medians, counts = measure(variants, inner, fresh(loss, cast), params, batch, args.repeats)
       print_table(f"{n} leaves of 64 x 64, autocast {'on' if cast else 'off'}", medians, counts,
                   args.hlo)
     if args.lm:
       params, batch, loss = lm_problem()
-      loss = (jaxamp.autocast(loss, jnp.float16) if cast
-              else train_step.half_loss(jnp.float16))
+      make_loss = fresh(loss, cast) if cast else lambda: train_step.half_loss(jnp.float16)
       with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
         medians, counts = measure(list(args.variants) + (
             ["train_state"] if "train_state" not in args.variants else []),
-                                  inner, loss, params, batch, args.repeats)
+                                  inner, make_loss, params, batch, args.repeats)
       print_table(f"LM step ({sum(p.size for p in jax.tree.leaves(params)):,} params, 8 x 128), "
                   f"{'autocast' if cast else 'whole float16 cast'}", medians, counts, args.hlo)
 

@@ -64,9 +64,46 @@ def test_the_compile_benchmark_times_every_phase_and_restores_what_it_switches_o
   params, x, loss = bench_compile.leaf_problem(2, width=8)
   modules = (finite, loss_scale.ScaleRule, selective_update)
   before = [dict(vars(m)) for m in modules]
-  names = ["plain"] + [f"jaxamp:{part}" for part in bench_compile.PARTS]
+  names = ["plain", "check_only"] + [f"jaxamp:{part}" for part in bench_compile.PARTS]
   with jax.numpy_dtype_promotion("standard"):
-    medians, counts = bench_compile.measure(names, optax.sgd(0.1), loss, params, x, repeats=1)
+    medians, counts = bench_compile.measure(names, optax.sgd(0.1), bench_compile.fresh(loss, True),
+                                            params, x, repeats=1)
   assert [dict(vars(m)) for m in modules] == before
   assert all(t > 0 for m in medians.values() for t in m.values())
   assert counts["jaxamp:no_check"]["hlo_instructions"] > counts["plain"]["hlo_instructions"]
+  assert counts["check_only"]["hlo_instructions"] > counts["plain"]["hlo_instructions"]
+
+
+def test_the_compile_benchmark_reads_xlas_timers_of_the_step_alone():
+  from benchmarks import bench_compile
+
+  log = """\
+Running HLO pass pipeline on module jit_init: optimization
+HLO pass: fusion time: 7 ms (7000 us) (cumulative: 7 ms, max: 7 ms, #called: 1)
+Running HLO pass pipeline on module jit_step: optimization
+HLO pass: fusion time: 250 us (250 us) (cumulative: 7.25 ms, max: 7 ms, #called: 2)
+HLO pass: copy-insertion time: 1.5 ms (1500 us) (cumulative: 1.5 ms, max: 1.5 ms, #called: 1)
+HLO pass: fusion time: 250 us (250 us) (cumulative: 7.5 ms, max: 7 ms, #called: 3)
+Running HLO passes on [jit_step] for CPU time: 2 ms (2000 us) (cumulative: 9 ms, max: 7 ms, #called: 2)
+Compiling: jit_step
+Compiled MLIR module: add_fusion_kernel_module time: 3 ms (3000 us) (cumulative: 3 ms)
+Compiled LLVM module: add_fusion_kernel_module time: 1 ms (1000 us) (cumulative: 1 ms)
+Compiled LLVM module: __compute_module_select time: 2 ms (2000 us) (cumulative: 3 ms)
+Compiling [jit_step] for CPU using JIT time: 1.2 s (1200000 us) (cumulative: 1.2 s)
+Compiled LLVM module: other_kernel_module time: 9 ms (9000 us) (cumulative: 12 ms)
+"""
+  seconds = bench_compile.xla_seconds(log)
+  assert seconds["pass fusion"] == pytest.approx(0.0005)
+  assert seconds["pass copy-insertion"] == pytest.approx(0.0015)
+  assert seconds["HLO passes"] == pytest.approx(0.002)
+  assert seconds["code generation"] == pytest.approx(1.2)
+  assert seconds["kernels"] == 2
+  assert seconds["kernel codegen"] == pytest.approx(0.006)
+
+
+def test_the_compile_benchmark_traces_a_new_autocast_each_time():
+  from benchmarks import bench_compile
+
+  make = bench_compile.fresh(lambda p: p, True)
+  assert make() != make()
+  assert bench_compile.fresh(abs, False)() is abs
