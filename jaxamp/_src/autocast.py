@@ -422,18 +422,33 @@ def _is_array(x) -> bool:
 
 
 class _Traced:
-  """One trace of ``fn``: its jaxpr, output tree, and the jitted autocast evaluation."""
+  """One trace of ``fn``: its jaxpr, output tree, and the autocast evaluation of the jaxpr.
+
+  Called on tracers (inside ``jit``, ``grad``, ``vmap``...), :meth:`run` binds
+  the cast equations into the caller's trace; called on arrays, it runs them
+  through ``jax.jit``, so that eager calls compile once. A ``jit`` nested in
+  the caller's trace would cost that trace more than the evaluation itself:
+  under ``grad`` JAX traces a nested ``jit``'s jaxpr again to differentiate,
+  partially evaluate and transpose it.
+  """
 
   def __init__(self, closed, out_tree, cfg: _Config, name: str):
     self.out_tree = out_tree
 
     interpretation = _Run(cfg)
 
-    def run(*flat):
+    def evaluate(*flat):
       return _eval_closed(closed, flat, interpretation)
 
-    run.__name__ = f"autocast_{name}"
-    self.run = jax.jit(run)
+    evaluate.__name__ = self._name = f"autocast_{name}"
+    self._evaluate = evaluate
+    self._compiled = jax.jit(evaluate)
+
+  def run(self, *flat):
+    if any(isinstance(x, jax.core.Tracer) for x in flat):
+      with jax.named_scope(self._name):  # as the jit would name its operations
+        return self._evaluate(*flat)
+    return self._compiled(*flat)
 
 
 _cache: "collections.OrderedDict[Any, _Traced]" = collections.OrderedDict()
