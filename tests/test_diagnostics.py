@@ -288,13 +288,40 @@ def test_the_functional_core_warns_once_when_a_run_stalls():
 
 def test_a_stall_warning_made_an_error_surfaces_as_a_runtime_error():
   # Under filterwarnings=error (this suite's setting) the warning raised inside the host
-  # callback reaches the caller as a JaxRuntimeError that carries its text.
+  # callback reaches the caller as an error that carries its text (XLA:CPU reports a failed
+  # pure_callback as a ValueError; other backends as a JaxRuntimeError).
   step, state = _stalling_step("warn")
-  with pytest.raises(jax.errors.JaxRuntimeError, match="StallWarning"):
+  with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="StallWarning"):
     for _ in range(4):
       state = step(state, jnp.array([jnp.nan, 1.0]))
     jax.block_until_ready(state)
     jax.effects_barrier()
+
+
+@pytest.mark.parametrize("on_stall", ["warn", "ignore"])
+def test_the_step_has_no_effect_so_jit_dispatches_it_through_its_fast_path(on_stall):
+  # A jitted function with an effect (jax.debug.callback) is dispatched through JAX's Python
+  # path on every call; the stall warning's callback is pure to JAX, its result the flag.
+  step, state = _stalling_step(on_stall)
+  assert not jax.make_jaxpr(step)(state, jnp.ones(2)).effects
+  assert (jax.make_jaxpr(step)(state, jnp.ones(2)).jaxpr.pretty_print().count("pure_callback")
+          == (on_stall == "warn"))
+
+
+def test_under_vmap_only_the_run_that_stalls_warns_once():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0, stall_after=3)
+  params = {"w": jnp.ones(2)}
+  step = jax.jit(jax.vmap(lambda g, s: tx.update({"w": g}, s, params)[1]))
+  states = jax.vmap(lambda _: tx.init(params))(jnp.arange(2))
+  grads = jnp.array([[jnp.nan, 1.0], [1.0, 1.0]])  # the first run never gets a finite step
+  with warnings.catch_warnings(record=True) as logged:
+    warnings.simplefilter("always")
+    for _ in range(5):
+      states = step(grads, states)
+    jax.block_until_ready(states)
+  assert [type(w.message) for w in logged] == [jaxamp.StallWarning]
+  assert "3 consecutive steps" in str(logged[0].message)
+  np.testing.assert_array_equal(states.stalled, [True, False])
 
 
 def test_on_stall_ignore_records_the_stall_without_a_warning():
