@@ -45,10 +45,11 @@ from typing import Any, Callable, Dict, Sequence
 XLA_PASSES = "--xla-passes" in sys.argv
 if XLA_PASSES:  # read by XLA's logging when jax first loads: it must precede the import
   os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
-  os.environ["TF_CPP_VMODULE"] = "hlo_pass_pipeline=1,cpu_compiler=1,gpu_compiler=1,fusion_compiler=1,ir_compiler=1"
+  os.environ["TF_CPP_VMODULE"] = ("hlo_pass_pipeline=1,cpu_compiler=1,gpu_compiler=1,"
+                                  "fusion_compiler=1,ir_compiler=1")
 
 import jax  # noqa: E402
-import jax.numpy as jnp
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
