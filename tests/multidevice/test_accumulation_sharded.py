@@ -135,9 +135,9 @@ def test_jit_sharded_step_communicates_only_what_the_plain_step_does(layout):
       # stalls, and never on another step.
       branches = set(re.findall(r"%([\w.\-]+)", " ".join(
           re.findall(r"branch_computations=\{([^}]*)\}", text))))
-      every_step = [c for c in hlo_collectives(text) if c[2] not in branches]
-      found[name] = every_step
-      found[name + " branches"] = [c for c in hlo_collectives(text) if c[2] in branches]
+      collectives = hlo_collectives(text)
+      found[name] = [c for c in collectives if c[2] not in branches]
+      found[name + " branches"] = [c for c in collectives if c[2] in branches]
   assert _payload(found["jaxamp"], "all-gather") == _payload(found["plain"], "all-gather")
   assert {op for op, _, _ in found["jaxamp"]} <= {"all-reduce", "all-gather"}
   extra = list(_payload(found["jaxamp"], "all-reduce"))
