@@ -262,11 +262,10 @@ def xla_seconds(log: str) -> Dict[str, float]:
         seconds["pass " + name] += float(value) * _UNIT[unit]
   # Code generation compiles each distinct kernel (identical fusions share one) to machine code.
   codegen = re.search(r"Compiling: jit_step\n(.*?)Compiling \[jit_step\]", log, re.S)
-  kernels = re.findall(r"Compiled LLVM module: \S+ " + _TIME, codegen.group(1) if codegen else "")
-  seconds["kernels"] = len(kernels)
+  body = codegen.group(1) if codegen else ""
+  seconds["kernels"] = len(re.findall(r"Compiled LLVM module: ", body))
   seconds["kernel codegen"] = sum(
-      float(v) * _UNIT[u] for v, u in
-      re.findall(r"Compiled (?:LLVM|MLIR) module: \S+ " + _TIME, codegen.group(1) if codegen else ""))
+      float(v) * _UNIT[u] for v, u in re.findall(r"Compiled (?:LLVM|MLIR) module: \S+ " + _TIME, body))
   for key, label in (("HLO passes", r"Running HLO passes on \[jit_step\] for \w+ "),
                      ("code generation", r"Compiling \[jit_step\] for \w+ using JIT ")):
     match = re.search(label + _TIME, log)
