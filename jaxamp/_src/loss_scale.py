@@ -78,6 +78,72 @@ class ScaleRule:
     return new_scale, new_tracker, new_overflow
 
 
+def initial_state(scale: Any, growth_tracker: Any = 0, overflow_count: Any = 0, *,
+                  num_leaves: int = 0, inner_state: optax.OptState = ()) -> LossScaleState:
+  """A loss scaler's state before its first step, every leaf with its dtype (nothing skipped yet).
+
+  Args:
+    scale: the loss scale (checked by the caller).
+    growth_tracker: consecutive finite steps so far (a loaded scaler's).
+    overflow_count: consecutive non-finite steps not acted on yet.
+    num_leaves: the number of floating gradient leaves (the length of
+      ``nonfinite_leaves``); 0 for the facades' scalers, which keep no flags.
+    inner_state: the wrapped transformation's state.
+  """
+  return LossScaleState(
+      scale=jnp.asarray(scale, jnp.float32),
+      growth_tracker=jnp.asarray(growth_tracker, jnp.int32),
+      overflow_count=jnp.asarray(overflow_count, jnp.int32),
+      skipped=jnp.zeros([], jnp.bool_),
+      skipped_steps=jnp.zeros([], jnp.int32),
+      skip_streak=jnp.zeros([], jnp.int32),
+      stalled=jnp.zeros([], jnp.bool_),
+      nonfinite_leaves=jnp.zeros([num_leaves], jnp.bool_),
+      inner_state=inner_state)
+
+
+def advance(rule: ScaleRule, state: LossScaleState, found_inf: jax.Array,
+            stall_after: int) -> LossScaleState:
+  """The loss-scale state after one step: the scale, its counters, the skip counters and the stall.
+
+  The one copy of the rule: :func:`dynamic_loss_scale`, :func:`static_loss_scale`
+  and both facades' ``GradScaler`` (one call per iteration) advance their
+  state with it::
+
+    scale, growth_tracker, overflow_count = rule.adjust(...)
+    skipped = found_inf
+    if found_inf:
+      skipped_steps += 1                      # both counters saturate
+      skip_streak += 1
+    else:
+      skip_streak = 0
+    stalled = found_inf and (skip_streak >= stall_after or scale was at min_scale)
+
+  A static rule (``rule.dynamic`` false) keeps the scale and never stalls at
+  ``min_scale``. ``nonfinite_leaves`` and ``inner_state`` are returned as
+  given, and reporting a stall is left to the caller.
+
+  Args:
+    rule: the scale-adjustment rule.
+    state: the state before the step.
+    found_inf: bool scalar, whether the step's unscaled gradients held an inf
+      or a nan (the step was skipped).
+    stall_after: consecutive skipped steps that make a stall.
+
+  Returns:
+    The state after the step.
+  """
+  scale, tracker, overflow = rule.adjust(state.scale, state.growth_tracker,
+                                         state.overflow_count, found_inf)
+  streak = jnp.where(found_inf, optax.safe_increment(state.skip_streak), 0).astype(jnp.int32)
+  at_floor = rule.dynamic and state.scale <= jnp.float32(rule.min_scale)
+  return state._replace(
+      scale=scale, growth_tracker=tracker, overflow_count=overflow, skipped=found_inf,
+      skipped_steps=jnp.where(found_inf, optax.safe_increment(state.skipped_steps),
+                              state.skipped_steps),
+      skip_streak=streak, stalled=found_inf & ((streak >= stall_after) | at_floor))
+
+
 def make_rule(*, growth_factor: float = 2.0, backoff_factor: float = 0.5,
               growth_interval: int = 2000, hysteresis: int = 1,
               min_scale: Optional[float] = None, max_scale: Optional[float] = None) -> ScaleRule:
@@ -212,18 +278,8 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
           "jaxamp.dynamic_loss_scale(optax.chain(...)).")
     warn_if_accumulation_inside(
         inner_state, "dynamic_loss_scale" if rule.dynamic else "static_loss_scale")
-    num_leaves = len(finite.float_leaves(params))
-    return LossScaleState(
-        scale=jnp.asarray(init_scale, jnp.float32),
-        growth_tracker=jnp.zeros([], jnp.int32),
-        overflow_count=jnp.zeros([], jnp.int32),
-        skipped=jnp.zeros([], jnp.bool_),
-        skipped_steps=jnp.zeros([], jnp.int32),
-        skip_streak=jnp.zeros([], jnp.int32),
-        stalled=jnp.zeros([], jnp.bool_),
-        nonfinite_leaves=jnp.zeros([num_leaves], jnp.bool_),
-        inner_state=inner_state,
-    )
+    return initial_state(init_scale, num_leaves=len(finite.float_leaves(params)),
+                         inner_state=inner_state)
 
   def update_fn(updates: optax.Updates, state: Any, params: Optional[optax.Params] = None,
                 **extra_args: Any) -> tuple[optax.Updates, Any]:
@@ -241,21 +297,16 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
     updates, inner_state = selective_update.select_update(
         check.finite, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
         state.inner_state)
-    found_inf = jnp.logical_not(check.finite)
-    scale, tracker, overflow = rule.adjust(state.scale, state.growth_tracker,
-                                           state.overflow_count, found_inf)
-    skipped_steps = jnp.where(found_inf, optax.safe_increment(state.skipped_steps),
-                              state.skipped_steps)
-    streak = jnp.where(found_inf, optax.safe_increment(state.skip_streak), 0).astype(jnp.int32)
-    at_floor = rule.dynamic and state.scale <= jnp.float32(rule.min_scale)
-    stalled = found_inf & ((streak >= stall_after) | at_floor)
+    new_state = advance(rule, state, jnp.logical_not(check.finite), stall_after)._replace(
+        nonfinite_leaves=check.nonfinite_leaves, inner_state=inner_state)
     if on_stall == "warn":
       # A host callback in a branch taken only on the step where the run
       # becomes stalled: a good step pays one scalar compare.
-      stalled = _report_stall(name, stalled & jnp.logical_not(state.stalled), stalled, streak,
-                              state.scale)
-    return updates, LossScaleState(scale, tracker, overflow, found_inf, skipped_steps, streak,
-                                   stalled, check.nonfinite_leaves, inner_state)
+      stalled = new_state.stalled
+      new_state = new_state._replace(stalled=_report_stall(
+          name, stalled & jnp.logical_not(state.stalled), stalled, new_state.skip_streak,
+          state.scale))
+    return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

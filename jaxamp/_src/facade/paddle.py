@@ -157,7 +157,7 @@ class GradScaler:
                              self._rule.max_scale)
       self._init_loss_scaling = init_loss_scaling
       self._use_dynamic_loss_scaling = bool(use_dynamic_loss_scaling)
-    self._state = scaler_state.make_state(self._init_loss_scaling)
+    self._state = loss_scale.initial_state(self._init_loss_scaling)
     self._stages = StageBook()
     # Flags of the steps since the last update, and the flag the last update used.
     self._pending: list[jax.Array] = []
@@ -448,4 +448,4 @@ class GradScaler:
     self._incr_every_n_steps = rule.growth_interval
     self._decr_every_n_nan_or_inf = rule.hysteresis
     self._use_dynamic_loss_scaling = dynamic
-    self._state = scaler_state.make_state(scale, incr_count, decr_count)
+    self._state = loss_scale.initial_state(scale, incr_count, decr_count)

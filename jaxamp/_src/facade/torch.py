@@ -186,7 +186,7 @@ class GradScaler:
 
   def _lazy_init_scale_growth_tracker(self) -> state_lib.LossScaleState:
     if self._state is None:
-      self._state = scaler_state.make_state(self._init_scale, self._init_growth_tracker)
+      self._state = loss_scale.initial_state(self._init_scale, self._init_growth_tracker)
     return self._state
 
   def _check_scale_growth_tracker(self, funcname: str) -> state_lib.LossScaleState:
@@ -509,7 +509,7 @@ class GradScaler:
     self._init_scale = scale
     self._init_growth_tracker = tracker
     if self._state is not None:
-      self._state = scaler_state.make_state(scale, tracker, self._state.overflow_count)
+      self._state = loss_scale.initial_state(scale, tracker, self._state.overflow_count)
 
 
 _clip_by_total_norm = jax.jit(clipping.clip_by_total_norm, static_argnames="order")
