@@ -263,8 +263,7 @@ def accumulate_gradients(
     def window_sum(acc, grads):
       if not accumulates:
         return grads
-      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
-      return jax.tree.map(lambda a, g: a + finite.as_stored(g).astype(a.dtype), acc, grads)
+      return jax.tree.map(finite.add_stored, acc, grads)
 
     def window_mean(acc, grads):
       total = window_sum(acc, grads)

@@ -219,6 +219,16 @@ def as_stored(x: jax.Array) -> jax.Array:
   return jnp.where(nan, jnp.full_like(x, jnp.nan), jnp.where(inf, signed_inf, x))
 
 
+def add_stored(acc: jax.Array, x: jax.Array) -> jax.Array:
+  """``acc + x`` in ``acc``'s dtype, ``x`` rounded first (:func:`as_stored`): how accumulators add.
+
+  Every accumulator of gradients (``accumulate_gradients``,
+  ``microbatch_value_and_grad``, the mmengine wrappers' buffers) adds with
+  this, so that no FMA absorbs an overflow of ``x``.
+  """
+  return acc + as_stored(x).astype(acc.dtype)
+
+
 def stored_once(tree: Any) -> Any:
   """``tree`` through ``lax.optimization_barrier``, leaf by leaf.
 

@@ -86,9 +86,14 @@ def map_parts(rest_fn: Callable[..., Any], fp8_fn: Callable[..., Any], tree: Any
   return merge(new_rest, jax.tree.map(fp8_fn, fp8, *(f for _, f in others_split)))
 
 
+def _maximum(acc: jax.Array, value: jax.Array) -> jax.Array:
+  """How fp8 values combine over micro-steps: the elementwise maximum, in ``acc``'s dtype."""
+  return jnp.maximum(acc, value.astype(acc.dtype))
+
+
 def accumulate(acc: Any, grads: Any, add: Callable[[Any, Any], Any]) -> Any:
   """Adds a micro-step's gradients into ``acc`` with ``add``; fp8 values combine by maximum."""
-  return map_parts(add, lambda a, g: jnp.maximum(a, g.astype(a.dtype)), acc, grads)
+  return map_parts(add, _maximum, acc, grads)
 
 
 def select(applied: jax.Array, new: Any, old: Any) -> Any:
@@ -101,11 +106,39 @@ def written(applied: jax.Array, new_fp8: Any) -> jax.Array:
   return jnp.logical_and(applied, finite.all_finite(new_fp8))
 
 
+def step_values(window: Any, new_fp8: Any, old_fp8: Any, applied: jax.Array,
+                after: Any) -> tuple[Any, Any]:
+  """``(window, values)``: one step's fp8 values to write, and the accumulation window after it.
+
+  The one copy of the rule, for :func:`overwrite_with_gradient` (and so
+  ``TrainState``) and ``jaxamp.nnx.Optimizer``: the step's returned values
+  ``new_fp8`` join the open window by maximum; the window starts afresh
+  (:func:`empty_window`) where the update closed it; the values written are
+  the combined ones where the step was applied and they are finite
+  (:func:`written`), ``old_fp8`` otherwise.
+
+  Args:
+    window: the open window's maximum; ``None`` or ``optax.EmptyState()``
+      (returned as given) when nothing accumulates.
+    new_fp8: the values the step's backward pass returned.
+    old_fp8: the values before the step.
+    applied: bool scalar, whether the step was applied
+      (``state.update_applied``).
+    after: the optimizer state the update returned (says whether the window
+      closed).
+  """
+  combined = new_fp8
+  if jax.tree.leaves(window):
+    combined = jax.tree.map(_maximum, window, new_fp8)
+    window = select(state_lib.window_closed(after), empty_window(window), combined)
+  return window, select(written(applied, combined), combined, old_fp8)
+
+
 def overwrite(rest: Any, old_fp8: Any, new_fp8: Any, applied: jax.Array) -> Any:
   """``rest`` with the fp8 collection: ``new_fp8`` where :func:`written`, else ``old_fp8``."""
   if old_fp8 is None:
     return rest
-  return merge(rest, select(written(applied, new_fp8), new_fp8, old_fp8))
+  return merge(rest, step_values(None, new_fp8, old_fp8, applied, None)[1])
 
 
 def can_skip(inner_state: Any) -> bool:
@@ -134,19 +167,37 @@ def flag_overflow(grads: Any, new_fp8: Any, inner_state: Any) -> Any:
   return jax.tree.map(flag, grads)
 
 
-def pmean(grads: Any, axis_name: Any) -> Any:
-  """``lax.pmean`` of the gradients over ``axis_name``; the fp8 values take ``lax.pmax``."""
+def unscale(grads: Any, scale: jax.Array) -> Any:
+  """``finite.unscale`` of the gradients; the fp8 values are not gradients and stay as they are."""
+  rest, values = split(grads)
+  return merge(finite.unscale(rest, scale), values)
+
+
+def unscale_and_check(grads: Any, scale: jax.Array) -> tuple[Any, jax.Array]:
+  """``(unscale(grads, scale), found_inf)``, for the facades' scalers.
+
+  ``found_inf`` is checked on the unscaled gradients, and is also set by a
+  non-finite fp8 value (a saturated overflow, see :func:`flag_overflow`).
+  """
+  rest, values = split(grads)
+  found_inf = jnp.logical_not(finite.unscaled_all_finite(rest, scale))
+  if values is not None:
+    found_inf = jnp.logical_or(found_inf, jnp.logical_not(finite.all_finite(values)))
+  return unscale(grads, scale), found_inf
+
+
+def pmean(grads: Any, axis_name: Any, *others: Any) -> Any:
+  """``lax.pmean`` of the gradients over ``axis_name``; the fp8 values take ``lax.pmax``.
+
+  An fp8 value is an amax (or a scale and history derived from one): its
+  average over the devices would underestimate it. ``others`` (a loss, say)
+  are averaged in the same all-reduce as the gradients, and then
+  ``(grads, *others)`` is returned.
+  """
   rest, fp8 = split(grads)
-  rest = lax.pmean(rest, axis_name)
-  return merge(rest, None if fp8 is None else lax.pmax(fp8, axis_name))
-
-
-def window_closed(after: Any) -> jax.Array:
-  """Whether the update that produced the optimizer state ``after`` closed its window."""
-  accumulators = state_lib.find_states(after, AccumulationState)
-  if not accumulators:
-    return jnp.array(True)
-  return jnp.asarray(accumulators[0].updated, jnp.bool_)
+  rest, *others = lax.pmean((rest, *others), axis_name)
+  grads = merge(rest, None if fp8 is None else lax.pmax(fp8, axis_name))
+  return (grads, *others) if others else grads
 
 
 def empty_window(fp8: Any) -> Any:
@@ -277,14 +328,7 @@ def overwrite_with_gradient(inner: optax.GradientTransformation
     if new_fp8 is None:
       return rest_updates, state._replace(inner_state=inner_state)
     applied = state_lib.update_applied(state.inner_state, inner_state)
-    window = state.window
-    if isinstance(window, optax.EmptyState):
-      combined = new_fp8
-    else:
-      combined = jax.tree.map(lambda w, n: jnp.maximum(w, n.astype(w.dtype)), window, new_fp8)
-      closed = window_closed(inner_state)
-      window = select(closed, empty_window(window), combined)
-    values = select(written(applied, combined), combined, old_fp8)
+    window, values = step_values(state.window, new_fp8, old_fp8, applied, inner_state)
     return (merge(rest_updates, Overwrite(values)),
             OverwriteWithGradientState(window=window, inner_state=inner_state))
 

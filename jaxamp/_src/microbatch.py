@@ -211,8 +211,7 @@ def microbatch_value_and_grad(
     def body(carry, mb):
       acc, loss_sum = carry
       grads, (loss, aux) = grad_fn(params, mb)
-      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
-      acc = fp8.accumulate(acc, grads, lambda a, g: a + finite.as_stored(g).astype(a.dtype))
+      acc = fp8.accumulate(acc, grads, finite.add_stored)
       return (acc, loss_sum + loss.astype(loss_sum.dtype)), aux
 
     if num == 1:
@@ -223,9 +222,7 @@ def microbatch_value_and_grad(
     mean = fp8.map_parts(lambda a: a / jnp.asarray(num, a.dtype), lambda a: a, acc)
     loss = loss_sum / jnp.asarray(num, loss_sum.dtype)
     if axis_name is not None:
-      rest, values = fp8.split(mean)
-      rest, loss = lax.pmean((rest, loss), axis_name)
-      mean = fp8.merge(rest, None if values is None else lax.pmax(values, axis_name))
+      mean, loss = fp8.pmean(mean, axis_name, loss)
     grads = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grads_shape)
     loss = loss.astype(loss_shape.dtype)
     return ((loss, aux), grads) if has_aux else (loss, grads)

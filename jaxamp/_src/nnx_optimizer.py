@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from flax.nnx import variablelib
 
@@ -106,9 +107,7 @@ class Optimizer(nnx.Optimizer):
     after = _as_pure(self.opt_state)
     applied = state_lib.update_applied(before, after)
     self._overwrite_fp8(model, grads, applied, after)
-    top = jnp.asarray(jnp.iinfo(step.dtype).max, step.dtype)
-    advanced = jnp.where(step < top, step + jnp.ones([], step.dtype), step)
-    self.step[...] = jnp.where(applied, advanced, step).astype(step.dtype)
+    self.step[...] = jnp.where(applied, optax.safe_increment(step), step).astype(step.dtype)
     return updates
 
   def _overwrite_fp8(self, model: Any, grads: Any, applied: jax.Array, after: Any) -> None:
@@ -117,14 +116,12 @@ class Optimizer(nnx.Optimizer):
     if not jax.tree.leaves(new):
       return
     old = _as_pure(nnx.state(model, OverwriteWithGradient))
-    combined = new
+    window = None if self.fp8_window is None else _as_pure(self.fp8_window)
+    window, values = fp8.step_values(window, new, old, applied, after)
     if self.fp8_window is not None:
-      window = _as_pure(self.fp8_window)
-      combined = jax.tree.map(lambda w, n: jnp.maximum(w, n.astype(w.dtype)), window, new)
-      kept = fp8.select(fp8.window_closed(after), fp8.empty_window(window), combined)
-      jax.tree.map(lambda var, value: var.set_value(value), self.fp8_window, kept,
+      jax.tree.map(lambda var, value: var.set_value(value), self.fp8_window, window,
                    is_leaf=lambda x: isinstance(x, nnx.Variable))
-    nnx.update(model, fp8.select(fp8.written(applied, combined), combined, old))
+    nnx.update(model, values)
 
   @property
   def loss_scale(self) -> jax.Array:

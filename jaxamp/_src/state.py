@@ -430,10 +430,17 @@ def update_applied(before: optax.OptState, after: optax.OptState) -> jax.Array:
     >>> jaxamp.update_applied(state, new_state)
     Array(False, dtype=bool)
   """
-  accumulators = find_states(after, AccumulationState)
-  closed = jnp.asarray(accumulators[0].updated, jnp.bool_) if accumulators else jnp.array(True)
   not_skipped = skipped_steps(after) == skipped_steps(before)
-  return jnp.logical_and(closed, not_skipped)
+  return jnp.logical_and(window_closed(after), not_skipped)
+
+
+def window_closed(after: optax.OptState) -> jax.Array:
+  """Whether the update that returned ``after`` closed its accumulation window (True without one).
+
+  Reads the outermost :class:`AccumulationState`'s ``updated`` flag.
+  """
+  accumulators = find_states(after, AccumulationState)
+  return jnp.asarray(accumulators[0].updated, jnp.bool_) if accumulators else jnp.array(True)
 
 
 def keep_if_skipped(new: Any, old: Any, before: optax.OptState, after: optax.OptState) -> Any:

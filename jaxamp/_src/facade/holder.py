@@ -31,22 +31,13 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxamp._src import finite
 from jaxamp._src import fp8
 
 
-def _unscale_and_check_impl(grads: Any, scale: jax.Array) -> tuple[Any, jax.Array]:
-  """``(grads / scale, found_inf)``, ``found_inf`` checked on the unscaled gradients."""
-  grads, values = fp8.split(grads)  # Flax's fp8 values: not unscaled; inf only when overflowed
-  unscaled = finite.unscale(grads, scale)
-  found_inf = jnp.logical_not(finite.all_finite(unscaled))
-  if values is not None:
-    found_inf = jnp.logical_or(found_inf, jnp.logical_not(finite.all_finite(values)))
-  return fp8.merge(unscaled, values), found_inf
-
-
-_unscale_and_check = jax.jit(_unscale_and_check_impl)
-_unscale_and_check_donated = jax.jit(_unscale_and_check_impl, donate_argnums=(0,))
+# ``(grads / scale, found_inf)``, ``found_inf`` checked on the unscaled gradients (Flax's fp8
+# values are not unscaled, and are inf only when the step overflowed).
+_unscale_and_check = jax.jit(fp8.unscale_and_check)
+_unscale_and_check_donated = jax.jit(fp8.unscale_and_check, donate_argnums=(0,))
 
 
 def holds_grads(optimizer: Any) -> bool:

@@ -41,7 +41,7 @@ from jaxamp._src.facade.scaled_loss import ScaledLoss
 from jaxamp._src.facade.scaled_loss import DividedLoss
 from jaxamp._src.facade.scaled_loss import divide
 
-_unscale = jax.jit(finite.unscale)
+_unscale = jax.jit(fp8.unscale)  # Flax's fp8 values are not unscaled
 
 
 class OptimizerState(NamedTuple):
@@ -329,8 +329,7 @@ class OptimWrapper:
     objective = self._objective(spec, dynamic, factor, scale)
     grads, (loss, aux) = jax.grad(objective, has_aux=True)(params)
     if buffer is not None:
-      # Rounded before the addition, so that no FMA absorbs an overflow (finite.as_stored).
-      grads = fp8.accumulate(buffer, grads, lambda b, g: b + finite.as_stored(g))
+      grads = fp8.accumulate(buffer, grads, finite.add_stored)
     return ((loss, aux) if spec.has_aux else loss), grads
 
   # The traced implementations of the jitted steps.
@@ -390,12 +389,8 @@ class OptimWrapper:
     return self._update(params, state, grads, skip)
 
   def _apply_scaled_impl(self, params, state, grads, scale):
-    grads, values = fp8.split(grads)  # Flax's fp8 values: not unscaled; inf only when overflowed
-    found_inf = jnp.logical_not(finite.unscaled_all_finite(grads, scale))
-    if values is not None:
-      found_inf = jnp.logical_or(found_inf, jnp.logical_not(finite.all_finite(values)))
-    params, state, norm = self._update(
-        params, state, fp8.merge(finite.unscale(grads, scale), values), found_inf)
+    unscaled, found_inf = fp8.unscale_and_check(grads, scale)
+    params, state, norm = self._update(params, state, unscaled, found_inf)
     return params, state, norm, found_inf
 
   def _fused_impl(self, params, state, buffer, dynamic, factor, spec):
