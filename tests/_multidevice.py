@@ -23,7 +23,7 @@ GROUPS = {
     "test_multidevice.py": ["test_soundness_sharded.py"],
     "test_multidevice_accumulation.py": ["test_accumulation_sharded.py", "test_multihost.py"],
     "test_multidevice_data_parallel.py": ["test_data_parallel.py", "test_detection.py",
-                                          "test_diagnostics_sharded.py"],
+                                          "test_diagnostics_sharded.py", "test_fp8_sharded.py"],
     "test_multidevice_facades.py": ["test_facade_sharded.py", "test_low_precision_sharded.py",
                                     "test_autocast_sharded.py"],
 }

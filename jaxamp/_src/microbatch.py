@@ -178,12 +178,10 @@ def microbatch_value_and_grad(
          **kwargs: Any) -> Any:
     scale = _scale_value(loss_scale)
     micro = _split(batch, num)
-    tracked = sharding.tracked_axes(axis_name)
-    if tracked:
-      # Differentiate this device's copy of the params: inside shard_map the
-      # gradients of replicated params would otherwise be summed over the
-      # devices on every micro-batch, instead of averaged once below.
-      params = jax.tree.map(lambda p: sharding.mark_varying(p, frozenset(tracked)), params)
+    # Differentiate this device's copy of the params: inside shard_map the
+    # gradients of replicated params would otherwise be summed over the
+    # devices on every micro-batch, instead of averaged once below.
+    params = sharding.own_copies(params, axis_name)
 
     def objective(p, mb):
       out = loss_fn(p, mb, *args, **kwargs)

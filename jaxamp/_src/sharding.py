@@ -115,6 +115,21 @@ def tracked_axes(axis_name: AxisName) -> tuple:
   return tuple(a for a in axis_tuple(axis_name) if _tracks_variation(a))
 
 
+def own_copies(tree: Any, axis_name: AxisName) -> Any:
+  """``tree`` typed as varying over the axes of ``axis_name`` that JAX tracks (``shard_map``).
+
+  Differentiating a replicated value inside ``shard_map`` gives gradients
+  already summed over the devices (the transpose of its implicit broadcast is
+  a ``psum``); differentiating each device's own copy gives that device's
+  gradients, which the caller then averages once (``lax.pmean``). A no-op
+  where variation is not tracked (``pmap``, ``vmap``, no ``axis_name``).
+  """
+  tracked = frozenset(tracked_axes(axis_name))
+  if not tracked:
+    return tree
+  return jax.tree.map(lambda x: mark_varying(x, tracked), tree)
+
+
 def _tracks_variation(name: Hashable) -> bool:
   """Whether JAX tracks variation over the bound axis ``name`` (shard_map with check_vma)."""
   # The device index varies over its axis by definition; its type says so only when

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._src import fp8
+from jaxamp._src import sharding
 from jaxamp._src import state as state_lib
 from jaxamp._src import validation
 
@@ -128,7 +129,10 @@ class TrainState:
     own (unscaled) output, ``(loss, aux)`` with ``has_aux``, and ``grads`` the
     gradients of the scaled loss, averaged over ``axis_name`` (``lax.pmean``)
     when given, ready for :meth:`apply_gradients`, which unscales, checks and
-    skips. Flax's ``dynamic_scale.value_and_grad(fun, has_aux=True)(params)``
+    skips. Inside ``shard_map`` each device differentiates its own copy of
+    replicated parameters, so that their gradients are averaged, not summed
+    over the devices first; Flax's fp8 values take the maximum over the
+    devices (``lax.pmax``). Flax's ``dynamic_scale.value_and_grad(fun, has_aux=True)(params)``
     returns ``(dynamic_scale, is_fin, aux, grads)`` instead: here the scale and
     the decision live in ``opt_state``.
     """
@@ -141,6 +145,11 @@ class TrainState:
     grad_fn = jax.grad(scaled, argnums, has_aux=True)
 
     def wrapped(*args: Any) -> tuple[Any, Any]:
+      if axis_name is not None:
+        # Each device's own gradients, averaged once (see sharding.own_copies).
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        args = tuple(sharding.own_copies(a, axis_name) if i in nums else a
+                     for i, a in enumerate(args))
       grads, (loss, aux) = grad_fn(*args)
       if axis_name is not None:
         grads = fp8.pmean(grads, axis_name)
