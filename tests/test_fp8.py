@@ -435,7 +435,8 @@ class NoBias(nn.Module):
     return nn.Dense(32, use_bias=False, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)(x)
 
 
-@pytest.mark.parametrize("path", ["TrainState", "core", "AmpOptimWrapper"])
+@pytest.mark.parametrize("path", ["TrainState", "core", "AmpOptimWrapper", "GradScaler",
+                                  "GradScaler.unscale_"])
 def test_a_saturated_overflow_skips_the_step_and_backs_off(path):
   model = NoBias()
   x = 1e6 * jax.random.normal(jax.random.PRNGKey(0), (8, 64))
@@ -456,26 +457,97 @@ def test_a_saturated_overflow_skips_the_step_and_backs_off(path):
     updates, opt_state = tx.update(grads, opt_state, variables)
     after = jaxamp.apply_updates(variables, updates)
     scale, skipped = jaxamp.loss_scale(opt_state), jaxamp.skipped_steps(opt_state)
-  else:
+  elif path == "AmpOptimWrapper":
     wrapper = jaxamp.AmpOptimWrapper(optax.sgd(0.1), variables,
                                      loss_scale={"init_scale": BIG_SCALE})
     wrapper.update_params(_loss(model), x)
     metrics = wrapper.step_metrics()
+    after, scale, skipped = wrapper.params, metrics["loss_scale"], metrics["skipped_steps"]
+  else:  # the facade's scaler: unscale_, or one fused call in step
+    wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), variables)
+    scaler = jaxamp.GradScaler(init_scale=BIG_SCALE)
+    wrapper.backward(scaler.scale(_loss(model)), x)
+    if path == "GradScaler.unscale_":
+      scaler.unscale_(wrapper)
+    scaler.step(wrapper)
+    scaler.update()
+    metrics = scaler.step_metrics()
     after, scale, skipped = wrapper.params, metrics["loss_scale"], metrics["skipped_steps"]
   assert int(skipped) == 1 and float(scale) == BIG_SCALE / 2
   _assert_same_fp8(after, variables)
   _assert_params_close(after, variables, rtol=0)
 
 
-def test_without_a_loss_scaler_a_non_finite_fp8_value_is_not_written():
+def _saturated_overflow_nnx(tx, factor=1.0):
+  """A NoBias step through ``jaxamp.nnx.Optimizer`` whose overflow the e5m2 saturation hides.
+
+  The loss is multiplied by ``factor`` and by the loss scale, ``BIG_SCALE`` in all. Returns
+  the variables before and after the step, and the optimizer.
+  """
+  model = NoBias()
+  x = 1e6 * jax.random.normal(jax.random.PRNGKey(0), (8, 64))
+  module = bridge.ToNNX(model, rngs=nnx.Rngs(1)).lazy_init(x)
+  before = _linen_variables(module)
+  grads = jax.grad(lambda v: BIG_SCALE * _loss(model)(v, x))(before)
+  assert not np.isfinite(grads[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]
+                         ["output_grad_amax_history"][0])
+  assert np.all(np.isfinite(grads["params"]["Dense_0"]["kernel"]))
+  opt = jaxamp.nnx.Optimizer(module, tx, wrt=nnx.Param)
+  diff = nnx.DiffState(0, nnx.Any(nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+
+  @nnx.jit
+  def step(module, opt, x):
+    loss_fn = lambda m: opt.scale_loss(factor * jnp.mean(m(x) ** 2))  # noqa: E731
+    opt.update(module, nnx.grad(loss_fn, argnums=diff)(module))
+
+  step(module, opt, x)
+  return before, _linen_variables(module), opt
+
+
+@_NEWER_FLAX_FP8
+def test_a_saturated_overflow_skips_the_step_and_backs_off_nnx():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=BIG_SCALE)
+  before, after, opt = _saturated_overflow_nnx(tx)
+  assert int(opt.skipped_steps) == 1 and float(opt.loss_scale) == BIG_SCALE / 2
+  assert int(opt.step[...]) == 0
+  _assert_same_fp8(after, before)
+  _assert_params_close(after, before, rtol=0)
+
+
+def _no_scaler(path, model, variables, x):
+  """One step of plain ``optax.sgd(0.0)`` on ``BIG_SCALE`` times the loss, on ``path``."""
+  loss_fn = lambda v, x: BIG_SCALE * _loss(model)(v, x)  # noqa: E731
+  if path == "OptimWrapper":
+    wrapper = jaxamp.OptimWrapper(optax.sgd(0.0), variables)
+    wrapper.update_params(loss_fn, x)
+    return wrapper.params
+  grads = jax.grad(loss_fn)(variables, x)
+  if path == "TrainState":
+    state = jaxamp.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.sgd(0.0))
+    state = state.apply_gradients(grads=grads)
+    assert int(state.step) == 1  # nothing can skip the step: applied
+    return state.params
+  tx = jaxamp.overwrite_with_gradient(optax.sgd(0.0))
+  updates, _ = tx.update(grads, tx.init(variables), variables)
+  return jaxamp.apply_updates(variables, updates)
+
+
+@pytest.mark.parametrize("path", ["TrainState", "core", "OptimWrapper"])
+def test_without_a_loss_scaler_a_non_finite_fp8_value_is_not_written(path):
   model = NoBias()
   x = 1e6 * jax.random.normal(jax.random.PRNGKey(0), (8, 64))
   variables = model.init(jax.random.PRNGKey(1), x)
-  grads = jax.grad(lambda v: BIG_SCALE * _loss(model)(v, x))(variables)
-  state = jaxamp.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.sgd(0.0))
-  state = state.apply_gradients(grads=grads)
-  assert int(state.step) == 1  # nothing can skip the step: applied
-  _assert_same_fp8(state.params, variables)  # but no inf enters a history
+  after = _no_scaler(path, model, variables, x)
+  _assert_same_fp8(after, variables)  # no inf enters a history...
+  _assert_params_close(after, variables, rtol=0)  # ...and the parameters stay finite
+
+
+@_NEWER_FLAX_FP8
+def test_without_a_loss_scaler_a_non_finite_fp8_value_is_not_written_nnx():
+  before, after, opt = _saturated_overflow_nnx(optax.sgd(0.0), factor=BIG_SCALE)
+  assert int(opt.step[...]) == 1  # nothing can skip the step: applied
+  _assert_same_fp8(after, before)
+  _assert_params_close(after, before, rtol=0)
 
 
 # -- fp8 layers, float16 autocast and dynamic loss scaling -------------------------------------
@@ -579,6 +651,19 @@ def test_the_fp8_train_step_compiles_once(count_traces):
   for x in micro + micro:
     state = step(state, x)
   assert counter["n"] == 1 and int(state.step) == 2
+
+
+@_NEWER_FLAX_FP8
+def test_grad_scaler_step_without_unscale_leaves_the_read_fp8_values_unscaled():
+  model, variables, x = _snippet()
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), variables)
+  scaler = jaxamp.GradScaler()
+  wrapper.backward(scaler.scale(_loss(model)), x)
+  returned = wrapper.grads[OWG]  # read before the step: nothing to unscale yet
+  scaler.step(wrapper)  # unscales, checks and applies in one call (apply_scaled_gradients)
+  scaler.update()
+  jax.tree.map(lambda g, r: np.testing.assert_array_equal(g, r), wrapper.grads[OWG], returned)
+  _assert_same_fp8(wrapper.params, {OWG: returned})
 
 
 @_NEWER_FLAX_FP8
