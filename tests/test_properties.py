@@ -203,6 +203,16 @@ def test_sparse_overflows_never_raise_a_stall(scaler):
   assert rows[-1][2] == len(SPARSE)
 
 
+@pytest.mark.parametrize("scaler", ["GradScaler", "paddle.GradScaler", "AmpOptimWrapper"])
+def test_each_stall_is_reported_once_and_a_later_one_again(scaler):
+  run, _ = SCALERS[scaler]
+  two_stalls = set(range(6)) | set(range(10, 16))  # applied steps 6 to 9 end the first stall
+  with pytest.warns(jaxamp.StallWarning) as record:
+    rows = list(run(two_stalls, 18, "warn"))
+  assert [i for i, row in enumerate(rows) if row[-1]] == [3, 4, 5, 13, 14, 15]
+  assert len(record) == 2
+
+
 # -- counters saturate --------------------------------------------------------------------------
 
 
@@ -386,6 +396,18 @@ def test_stochastic_rounding_errors_of_consecutive_steps_are_uncorrelated():
   assert abs(_correlation(first, second)) < MAX_CORRELATION
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+def test_a_parameter_the_step_does_not_change_keeps_its_bits_signed_zeros_included(rounding):
+  params = {"w": jnp.array([-0.0, 0.0, -1.0, 1.0], BF16)}
+  grads = {"w": jnp.array([0.0, -0.0, 0.0, -0.0], BF16)}
+  tx = jaxamp.low_precision_params(optax.sgd(1.0), rounding)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  with jax.numpy_dtype_promotion("standard"):
+    new = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(np.asarray(new["w"]).view(np.uint16),
+                                np.asarray(params["w"]).view(np.uint16))
+
+
 # -- Kahan summation across binades ------------------------------------------------------------
 
 
@@ -469,8 +491,9 @@ def test_step_metrics_count_the_windows_the_accumulator_dropped():
                                    init_scale=1.0)
     state = tx.init(W)
   big = {"w": jnp.array([3e38, 1.0, 1.0], jnp.float32)}
-  for grads in [big, big]:
+  for grads in [big, big, {"w": _x(True)}]:  # a window dropped, then a micro-step skipped
     _, state = jax.jit(tx.update)(grads, state, W)
   assert int(jaxamp.get_accumulation_state(state).skipped_windows) == 1
-  assert int(jaxamp.skipped_steps(state)) == 1
-  assert int(jaxamp.step_metrics(state)["skipped_steps"]) == 1
+  assert int(jaxamp.get_loss_scale_state(state).skipped_steps) == 1
+  assert int(jaxamp.skipped_steps(state)) == 2
+  assert int(jaxamp.step_metrics(state)["skipped_steps"]) == 2
