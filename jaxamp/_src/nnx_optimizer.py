@@ -72,6 +72,7 @@ class Optimizer(nnx.Optimizer):
 
   def __init__(self, model: Any, tx: Any, *, wrt: Any, **kwargs: Any):
     super().__init__(model, tx, wrt=wrt, **kwargs)
+    state_lib.check_compositions(_as_pure(self.opt_state))
     if jax.tree.leaves(nnx.state(nnx.state(model, wrt), OverwriteWithGradient)):
       raise ValueError(
           f"wrt={wrt!r} selects Flax's fp8 state ({fp8.OVERWRITE_WITH_GRADIENT} variables): "
@@ -117,6 +118,7 @@ class Optimizer(nnx.Optimizer):
     if not jax.tree.leaves(new):
       return
     old = _as_pure(nnx.state(model, OverwriteWithGradient))
+    fp8.check_values(new, old)
     combined = new
     if self.fp8_window is not None:
       window = _as_pure(self.fp8_window)
