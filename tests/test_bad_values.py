@@ -118,6 +118,10 @@ values = st.one_of(
 )
 
 
+# Hyperparameters, which a float32 state holds: every kind, more often the ones float32 cannot hold.
+hyperparameters = st.one_of(values, float32_overflows, st.sampled_from([1e39, -1e39, math.nan]))
+
+
 def as_float32(x: float) -> float:
   """``x`` as float32 stores it (``inf`` where it overflows)."""
   with np.errstate(over="ignore"):
@@ -638,7 +642,7 @@ def test_amp_optim_wrapper_load_state_dict(data):
     group = dict(good["param_groups"][0])
     key = data.draw(st.sampled_from(["lr", "momentum", "dampening", "weight_decay", "nesterov",
                                      "params"]))
-    group[key] = value = data.draw(values)
+    group[key] = value = data.draw(hyperparameters)
     sd["param_groups"] = [group]
     names = (key, "param_groups", "parameter group")
     descent = key in ("nesterov", "params") or sane(value, *_SANE[key])
@@ -659,8 +663,8 @@ def test_amp_optim_wrapper_load_state_dict(data):
     _restore_amp()
 
 
-@_settings(10)
-@given(key=st.sampled_from(["lr", "momentum", "weight_decay", "dampening"]), value=values)
+@_settings(20)
+@given(key=st.sampled_from(["lr", "momentum", "weight_decay", "dampening"]), value=hyperparameters)
 def test_param_group_setters(key, value):
   _restore_amp()
 
@@ -705,7 +709,7 @@ def test_optim_wrapper_dict_load_state_dict(data):
   elif kind == "lr":
     sd["gen"] = {"state": _DICT_GOOD["gen"]["state"],
                  "param_groups": [dict(_DICT_GOOD["gen"]["param_groups"][0],
-                                       lr=data.draw(values))]}
+                                       lr=data.draw(hyperparameters))]}
     names = ("lr",)
     descent = sane(sd["gen"]["param_groups"][0]["lr"], *_SANE["lr"])
     legal = legal_hyperparam("lr", sd["gen"]["param_groups"][0]["lr"])
@@ -757,8 +761,8 @@ def _config(key: str, value: Any) -> dict:
   return cfg
 
 
-@_settings(15)
-@given(key=st.sampled_from(sorted(_CONFIG_KEYS)), value=values)
+@_settings(30)
+@given(key=st.sampled_from(sorted(_CONFIG_KEYS)), value=hyperparameters)
 def test_build_optim_wrapper_configs(key, value):
   cfg = _config(key, value)
   if key == "accumulative_counts" and isinstance(value, int) and value > 4:
@@ -804,10 +808,23 @@ _TS_TX = jaxamp.dynamic_loss_scale(
     init_scale=8.0)
 
 
+def _filled(shape: tuple, floats=st.floats(width=32)):
+  """The whole leaf filled with one float32 value."""
+  return floats.map(lambda v: np.full(shape, v, np.float32))
+
+
 def _leaf_values(shape: tuple, dtype: Any):
-  """A scalar of any kind, or the whole leaf filled with one float32 value (negatives included)."""
-  filled = st.floats(width=32).map(lambda v: np.full(shape, v, np.float32))
-  return st.one_of(values, filled, filled) if np.issubdtype(dtype, np.floating) else values
+  """A scalar of any kind, or the whole leaf filled with one float32 value, or one of shape (1,)."""
+  if not np.issubdtype(dtype, np.floating):  # counts: fractional, or of shape (1,)
+    return st.one_of(values, st.sampled_from([np.float32(2.5), np.full((1,), 3, dtype)]))
+  return st.one_of(values, _filled(shape), _filled(shape, st.sampled_from([0.0, 2.0, 1.0])),
+                   st.just(np.full((1,), 8.0, np.float32)))
+
+
+def _field(path: str) -> str:
+  """The field a leaf's path ends in: ``'lr'`` for ``.hyperparams['lr']``, ``'nu'`` for ``.nu['w']``."""
+  name = path.rsplit(".", 1)[-1]
+  return name.split("'")[1] if name.startswith("hyperparams[") else name.split("[")[0]
 
 
 def legal_leaf(path: str, value: Any, like: Any) -> bool:
@@ -833,8 +850,7 @@ def legal_leaf(path: str, value: Any, like: Any) -> bool:
   x = array.astype(np.float64)
   if not np.all(np.isfinite(x)):
     return False
-  name = path.rsplit(".", 1)[-1]
-  key = name.split("'")[1] if "[" in name else name
+  key = _field(path)
   if key in _SECOND_MOMENTS or key == "count":
     return bool(np.all(x >= 0))
   if key in ("scale",):
@@ -851,9 +867,18 @@ def legal_leaf(path: str, value: Any, like: Any) -> bool:
 def _draw_leaf(data, state: Any) -> tuple[Any, str, bool]:
   """``state`` with one leaf replaced by a drawn value; its path; whether that is legal."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-  index = data.draw(st.integers(0, len(leaves) - 1))
+  moments = [i for i, (path, _) in enumerate(leaves)
+             if any(m in jax.tree_util.keystr(path) for m in _SECOND_MOMENTS)]
+  if moments and data.draw(st.booleans()):
+    # A second moment that is negative: what a conversion that swapped the moments leaves.
+    index = data.draw(st.sampled_from(moments))
+    value = data.draw(_filled(np.shape(leaves[index][1]),
+                              st.floats(max_value=-2.0**-100, width=32)))
+  else:
+    index = data.draw(st.integers(0, len(leaves) - 1))
+    like = leaves[index][1]
+    value = data.draw(_leaf_values(np.shape(like), np.asarray(like).dtype))
   path, like = leaves[index]
-  value = data.draw(_leaf_values(np.shape(like), np.asarray(like).dtype))
   new = [leaf for _, leaf in leaves]
   new[index] = value
   where = jax.tree_util.keystr(path)
@@ -869,14 +894,20 @@ def test_adam_state_leaves_load(data, keep_betas):
   if not keep_betas:  # the state's stored 1 - beta is then kept as loaded
     del group["betas"]
   sd = dict(_ADAM_GOOD, state=state, param_groups=[group])
-  key = where.rsplit(".", 1)[-1]
+  key = _field(where)
   try:
     check("AmpOptimWrapper(Adam).load_state_dict[state]", lambda: _ADAM.load_state_dict(sd),
-          ("state", key.split("'")[1] if "'" in key else key),
+          ("state", key),
           snapshot=_ADAM.state_dict, run=lambda _: _wrapper_iterations(_ADAM), descent=False,
           legal=legal or (keep_betas and "one_minus_b" in key))
   finally:
     _ADAM.load_state_dict(_ADAM_GOOD)
+
+
+@jax.jit
+def _train_state_step(state):
+  grads = jax.grad(lambda p: state.scale_loss(loss_fn(p, TARGET)))(state.params)
+  return state.apply_gradients(grads=grads)
 
 
 @_settings(30)
@@ -887,16 +918,13 @@ def test_train_state_flax_restore(data):
   saved = serialization.to_state_dict(target)
   opt_state, where, legal = _draw_leaf(data, target.opt_state)
   saved["opt_state"] = serialization.to_state_dict(opt_state)
-  key = where.rsplit(".", 1)[-1]
+  key = _field(where)
 
   def run(restored):
     state = restored if restored is not None else target
-    params = state.params
     for _ in range(2):
-      grads = jax.grad(lambda p: state.scale_loss(loss_fn(p, TARGET)))(params)
-      state = state.replace(params=params).apply_gradients(grads=grads)
-      params = state.params
-    return params, float(state.loss_scale)
+      state = _train_state_step(state)
+    return state.params, float(state.loss_scale)
 
   def call():
     return serialization.from_state_dict(target, saved)
@@ -904,7 +932,7 @@ def test_train_state_flax_restore(data):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # msgpack and numpy on odd values
     check("flax.serialization into TrainState", call,
-          ("state", "step", key.split("'")[1] if "'" in key else key), run=run, descent=False,
+          ("state", "step", key), run=run, descent=False,
           legal=legal)
 
 
@@ -938,7 +966,7 @@ def test_param_group_update_is_atomic(data):
       update[key] = data.draw(st.one_of(st.tuples(values, values),
                                         st.tuples(st.just(0.9), rounds_to_one), values))
     else:
-      update[key] = data.draw(values)
+      update[key] = data.draw(hyperparameters)
   legal = all(_legal_entry(k, v) for k, v in update.items())
   group = _ADAM.param_groups[0]
 

@@ -63,6 +63,11 @@ def _refuse_unheld(where: str, key: str) -> None:
         "learning_rate=0.1), or with jaxamp.build_optim_wrapper, to make it settable.")
 
 
+def _is_fixed(value: Any, fixed: Any) -> bool:
+  """Whether ``value`` is the value a code-selecting key was built with (a scalar equal to it)."""
+  return np.ndim(value) == 0 and bool(value == fixed)
+
+
 def _named(where: str, err: Exception) -> Exception:
   """``err`` of the same type, its message prefixed with where the value was written."""
   return type(err)(f"{where}: {err}")
@@ -134,7 +139,7 @@ class ParamGroup(MutableMapping):
       if key in spec.codecs:
         hyperparams[key] = value
       elif key in spec.fixed:
-        if value != spec.fixed[key]:
+        if not _is_fixed(value, spec.fixed[key]):
           raise ValueError(f"{key!r} selects code and is fixed at construction "
                            f"(it is {spec.fixed[key]!r}); build a new wrapper to change it.")
       else:
@@ -241,7 +246,7 @@ def load_groups(groups: Any, specs: List[GroupSpec], opt_state: Any
                                 f"state_dict['param_groups'][{index}]")
         writes.append((index, key, value))
       elif key in spec.fixed:
-        if value != spec.fixed[key]:
+        if not _is_fixed(value, spec.fixed[key]):
           raise ValueError(f"param_groups[{index}][{key!r}] is {value!r} but this optimizer "
                            f"was built with {spec.fixed[key]!r}: a state of a different "
                            "optimizer")
