@@ -15,7 +15,15 @@ must end one of two ways:
   working; or
 * **accepted**: a short run on a descent problem (``sum((w - 1)**2)`` from
   ``w = 0``) ends with finite parameters, a finite positive scale, and a
-  lower loss.
+  lower loss. Where the suite knows the legal values itself (a small model
+  of the ranges, below), an accepted value must also be legal as it will be
+  stored: ``1e39`` is a finite Python float and an infinite float32, a
+  negative second moment or a beta of 1 is no state a run reaches.
+
+Besides every kind of scalar, the strategies draw values finite in Python but
+not in float32, betas that float32 rounds to 1, whole arrays of negative
+second moments and out-of-range stored betas, gradients and statistics of
+other shapes than the parameters, and several keys updated at once.
 
 The default profile is sized for CI (a few hundred cases in all, compiled
 objects reused across cases). The long profile multiplies every budget by
@@ -33,6 +41,7 @@ import copy
 import json
 import math
 import os
+import re
 import warnings
 from typing import Any, Callable
 
@@ -88,6 +97,13 @@ def _jax_values():
       "int": lambda: jnp.int32(4)}.__getitem__).map(lambda f: f())
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+# Finite in Python, infinite in float32.
+float32_overflows = st.one_of(st.floats(min_value=3.5e38, max_value=1e308),
+                              st.floats(min_value=-1e308, max_value=-3.5e38))
+# Below 1 in Python, 1.0 in float32 (a beta no optimizer can divide by).
+rounds_to_one = st.floats(min_value=1 - 2**-25, max_value=1.0, exclude_max=True)
+
 values = st.one_of(
     st.sampled_from(_SPECIAL),
     st.sampled_from(_SPECIAL),
@@ -97,7 +113,42 @@ values = st.one_of(
     st.integers(min_value=-(2**64), max_value=2**64),
     st.integers(min_value=0, max_value=3000),
     _jax_values(),
+    float32_overflows,
+    rounds_to_one,
 )
+
+
+# Hyperparameters, which a float32 state holds: every kind, more often the ones float32 cannot hold.
+hyperparameters = st.one_of(values, float32_overflows, st.sampled_from([1e39, -1e39, math.nan]))
+
+
+def as_float32(x: float) -> float:
+  """``x`` as float32 stores it (``inf`` where it overflows)."""
+  with np.errstate(over="ignore"):
+    return float(np.float32(x))
+
+
+def number(value: Any) -> Any:
+  """``value`` as a float when it is one real number (arrays of one element too), else None."""
+  if value is None or isinstance(value, (bool, np.bool_, str)):
+    return None
+  try:
+    array = np.asarray(value)
+  except (TypeError, ValueError):
+    return None
+  if array.dtype.kind not in "iuf" or array.size != 1:
+    return None
+  return float(array.reshape(()))
+
+
+def legal_hyperparam(key: str, value: Any) -> bool:
+  """Whether PyTorch's range for ``key`` holds ``value`` as a float32 state stores it."""
+  x = number(value)
+  if x is None or not math.isfinite(x) or not math.isfinite(as_float32(x)):
+    return x is None  # not a number: the type check's business, not a range's
+  if key.startswith("beta"):
+    return 0.0 <= x < 1.0  # stored as 1 - beta, which float32 holds for every beta < 1
+  return as_float32(x) >= 0.0
 
 
 # -------------------------------------------------------------------------------------------------
@@ -168,17 +219,19 @@ _FAILURES: list = []
 def check(entry: str, call: Callable[[], Any], names: tuple, *,
           snapshot: Callable[[], Any] = lambda: None,
           run: Callable[[Any], tuple[Any, float]], descent: bool = True,
-          loaded: Any = None) -> None:
+          loaded: Any = None, legal: bool = True) -> None:
   """:func:`_check`; with ``JAXAMP_BAD_VALUES_COLLECT=<path>``, failures are recorded, not raised.
 
   ``loaded``: for a load, the dict loaded; an accepted load must restore it
-  as given (:func:`_as_loaded`).
+  as given (:func:`_as_loaded`). ``legal=False``: the suite's own model says
+  the value is illegal as stored, so accepting it is a failure.
   """
+  kwargs = dict(snapshot=snapshot, run=run, descent=descent, loaded=loaded, legal=legal)
   if not _COLLECT:
-    _check(entry, call, names, snapshot=snapshot, run=run, descent=descent, loaded=loaded)
+    _check(entry, call, names, **kwargs)
     return
   try:
-    _check(entry, call, names, snapshot=snapshot, run=run, descent=descent, loaded=loaded)
+    _check(entry, call, names, **kwargs)
   except Exception as err:  # noqa: BLE001 (the collecting mode records every failure)
     _FAILURES.append({"entry": entry, "error": f"{type(err).__name__}: {err}"[:300]})
 
@@ -210,7 +263,7 @@ def _as_loaded(loaded: Any, current: Any) -> bool:
 def _check(entry: str, call: Callable[[], Any], names: tuple, *,
           snapshot: Callable[[], Any] = lambda: None,
           run: Callable[[Any], tuple[Any, float]], descent: bool = True,
-          loaded: Any = None) -> None:
+          loaded: Any = None, legal: bool = True) -> None:
   """Runs ``call``; asserts either a clean refusal or an uncorrupted, descending run.
 
   ``run(result)`` takes what ``call`` returned (``None`` when it was
@@ -234,6 +287,7 @@ def _check(entry: str, call: Callable[[], Any], names: tuple, *,
     else:
       _COUNTS[entry]["accepted"] += 1
       refused = False
+      assert legal, f"{entry}: accepted a value that is illegal as it will be stored"
       if loaded is not None:
         assert _as_loaded(loaded, snapshot()), f"{entry}: accepted, but not restored as given"
     params, scale = run(result)
@@ -580,7 +634,7 @@ def test_amp_optim_wrapper_load_state_dict(data):
   good = _AMP.state_dict()
   where = data.draw(st.sampled_from(["loss_scaler", "param_groups", "state", "top"]))
   sd = dict(good)
-  descent = True
+  descent = legal = True
   if where == "loss_scaler":
     sd["loss_scaler"], names = _mutated(good["loss_scaler"], data, _TORCH_KEYS, ("loss_scaler",))
     names = names + ("loss_scaler",)
@@ -588,10 +642,11 @@ def test_amp_optim_wrapper_load_state_dict(data):
     group = dict(good["param_groups"][0])
     key = data.draw(st.sampled_from(["lr", "momentum", "dampening", "weight_decay", "nesterov",
                                      "params"]))
-    group[key] = value = data.draw(values)
+    group[key] = value = data.draw(hyperparameters)
     sd["param_groups"] = [group]
     names = (key, "param_groups", "parameter group")
     descent = key in ("nesterov", "params") or sane(value, *_SANE[key])
+    legal = key in ("nesterov", "params") or legal_hyperparam(key, value)
   elif where == "state":
     leaves, treedef = jax.tree.flatten(good["state"])
     index = data.draw(st.integers(0, len(leaves) - 1))
@@ -602,13 +657,14 @@ def test_amp_optim_wrapper_load_state_dict(data):
     sd, names = _mutated(good, data, ("state", "param_groups", "loss_scaler"))
   try:
     check("AmpOptimWrapper.load_state_dict", lambda: _AMP.load_state_dict(sd), names,
-          snapshot=_amp_snapshot, run=lambda _: _wrapper_iterations(_AMP), descent=descent)
+          snapshot=_amp_snapshot, run=lambda _: _wrapper_iterations(_AMP), descent=descent,
+          legal=legal)
   finally:
     _restore_amp()
 
 
-@_settings(10)
-@given(key=st.sampled_from(["lr", "momentum", "weight_decay", "dampening"]), value=values)
+@_settings(20)
+@given(key=st.sampled_from(["lr", "momentum", "weight_decay", "dampening"]), value=hyperparameters)
 def test_param_group_setters(key, value):
   _restore_amp()
 
@@ -617,7 +673,8 @@ def test_param_group_setters(key, value):
 
   try:
     check("param_groups[0][key] = value", call, (key,), snapshot=_amp_snapshot,
-          run=lambda _: _wrapper_iterations(_AMP), descent=sane(value, *_SANE[key]))
+          run=lambda _: _wrapper_iterations(_AMP), descent=sane(value, *_SANE[key]),
+          legal=legal_hyperparam(key, value))
   finally:
     _restore_amp()
 
@@ -639,7 +696,7 @@ def test_optim_wrapper_dict_load_state_dict(data):
   _DICT.load_state_dict(_DICT_GOOD)
   kind = data.draw(st.sampled_from(["missing", "extra", "member", "lr", "other"]))
   sd = dict(_DICT_GOOD)
-  descent = True
+  descent = legal = True
   if kind == "missing":
     del sd[data.draw(st.sampled_from(["gen", "disc"]))]
     names: tuple = ("gen", "disc")
@@ -652,9 +709,10 @@ def test_optim_wrapper_dict_load_state_dict(data):
   elif kind == "lr":
     sd["gen"] = {"state": _DICT_GOOD["gen"]["state"],
                  "param_groups": [dict(_DICT_GOOD["gen"]["param_groups"][0],
-                                       lr=data.draw(values))]}
+                                       lr=data.draw(hyperparameters))]}
     names = ("lr",)
     descent = sane(sd["gen"]["param_groups"][0]["lr"], *_SANE["lr"])
+    legal = legal_hyperparam("lr", sd["gen"]["param_groups"][0]["lr"])
   else:
     sd = data.draw(st.sampled_from(_OTHER_DICTS))
     names = ("state_dict", "gen", "disc", "OptimWrapperDict")
@@ -663,14 +721,15 @@ def test_optim_wrapper_dict_load_state_dict(data):
           snapshot=lambda: {k: {} for k in _DICT.state_dict()} if kind == "missing" else (
               _DICT.state_dict()),
           run=lambda _: _wrapper_iterations(_GEN), descent=descent,
-          loaded={k: {} for k in sd} if kind == "missing" else None)
+          loaded={k: {} for k in sd} if kind == "missing" else None, legal=legal)
   finally:
     _DICT.load_state_dict(_DICT_GOOD)
 
 
 _CONFIG_KEYS = {
     "optimizer.lr": ("lr", "learning rate"), "optimizer.momentum": ("momentum",),
-    "optimizer.weight_decay": ("weight_decay",), "clip_grad.max_norm": ("max_norm",),
+    "optimizer.weight_decay": ("weight_decay",), "optimizer.dampening": ("dampening",),
+    "adam.betas": ("beta",), "clip_grad.max_norm": ("max_norm",),
     "clip_grad.clip_value": ("clip_value",), "loss_scale": ("loss_scale", "GradScaler"),
     "loss_scale.init_scale": ("init_scale",), "loss_scale.growth_interval": ("growth_interval",),
     "accumulative_counts": ("accumulative_counts",), "custom_keys.lr_mult": ("lr_mult",),
@@ -684,6 +743,8 @@ def _config(key: str, value: Any) -> dict:
   head, _, tail = key.partition(".")
   if head == "optimizer":
     cfg["optimizer"][tail] = value
+  elif head == "adam":
+    cfg["optimizer"] = dict(type="Adam", lr=0.1, betas=(0.5, value))
   elif head == "clip_grad":
     cfg["clip_grad"] = (dict(max_norm=value) if tail == "max_norm"
                         else dict(type="value", clip_value=value))
@@ -700,8 +761,8 @@ def _config(key: str, value: Any) -> dict:
   return cfg
 
 
-@_settings(15)
-@given(key=st.sampled_from(sorted(_CONFIG_KEYS)), value=values)
+@_settings(30)
+@given(key=st.sampled_from(sorted(_CONFIG_KEYS)), value=hyperparameters)
 def test_build_optim_wrapper_configs(key, value):
   cfg = _config(key, value)
   if key == "accumulative_counts" and isinstance(value, int) and value > 4:
@@ -709,6 +770,8 @@ def test_build_optim_wrapper_configs(key, value):
   descent = {"optimizer.lr": sane(value, *_SANE["lr"]),
              "optimizer.momentum": sane(value, *_SANE["momentum"]),
              "optimizer.weight_decay": sane(value, *_SANE["weight_decay"]),
+             "optimizer.dampening": sane(value, *_SANE["dampening"]),
+             "adam.betas": sane(value, 0.0, 0.9999),
              "custom_keys.lr_mult": sane(value, *_SANE["lr_mult"]),
              "clip_grad.max_norm": sane(value, 1e-3, math.inf),
              "clip_grad.clip_value": sane(value, 1e-3, math.inf)}.get(key, True)
@@ -718,8 +781,248 @@ def test_build_optim_wrapper_configs(key, value):
       return _wrapper_iterations(_AMP)
     return _wrapper_iterations(wrapper, 2 * wrapper._counter.accumulative_counts)  # noqa: SLF001
 
+  legal = {"optimizer.lr": legal_hyperparam("lr", value),
+           "optimizer.momentum": legal_hyperparam("momentum", value),
+           "optimizer.weight_decay": legal_hyperparam("weight_decay", value),
+           "optimizer.dampening": legal_hyperparam("dampening", value),
+           "adam.betas": legal_hyperparam("betas", value),
+           "custom_keys.lr_mult": legal_hyperparam("lr", 0.1 * (number(value) or 0.0))
+           }.get(key, True)
   check("build_optim_wrapper", lambda: jaxamp.build_optim_wrapper(W0, cfg), _CONFIG_KEYS[key],
-        run=run, descent=descent)
+        run=run, descent=descent, legal=legal)
+
+
+# -------------------------------------------------------------------------------------------------
+# Restored optimizer states: second moments, counts, betas in their stored forms.
+# -------------------------------------------------------------------------------------------------
+
+_ADAM = jaxamp.build_optim_wrapper(W0, dict(
+    type="AmpOptimWrapper", optimizer=dict(type="Adam", lr=0.1),
+    loss_scale=dict(init_scale=8.0, growth_interval=3)))
+_ADAM.update_params(loss_fn, TARGET)  # moments and a count a run has
+_ADAM_GOOD = _ADAM.state_dict()
+_SECOND_MOMENTS = ("exp_avg_sq", "nu")
+# Second moments, a count and an injected learning rate (optax's Adam fails strict dtype promotion).
+_TS_TX = jaxamp.dynamic_loss_scale(
+    optax.chain(optax.scale_by_rms(), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)),
+    init_scale=8.0)
+
+
+def _filled(shape: tuple, floats=st.floats(width=32)):
+  """The whole leaf filled with one float32 value."""
+  return floats.map(lambda v: np.full(shape, v, np.float32))
+
+
+def _leaf_values(shape: tuple, dtype: Any):
+  """A scalar of any kind, or the whole leaf filled with one float32 value, or one of shape (1,)."""
+  if not np.issubdtype(dtype, np.floating):  # counts: fractional, or of shape (1,)
+    return st.one_of(values, st.sampled_from([np.float32(2.5), np.full((1,), 3, dtype)]))
+  return st.one_of(values, _filled(shape), _filled(shape, st.sampled_from([0.0, 2.0, 1.0])),
+                   st.just(np.full((1,), 8.0, np.float32)))
+
+
+def _field(path: str) -> str:
+  """The field a leaf's path ends in: ``'lr'`` for ``.hyperparams['lr']``, ``'nu'`` for ``.nu['w']``."""
+  name = path.rsplit(".", 1)[-1]
+  return name.split("'")[1] if name.startswith("hyperparams[") else name.split("[")[0]
+
+
+def legal_leaf(path: str, value: Any, like: Any) -> bool:
+  """Whether ``value`` may stand at ``path`` in a state shaped like ``like`` (the suite's model).
+
+  The tree's shapes and dtypes; finite floats; second moments not negative;
+  counts whole in ``[0, 2**31 - 1]``; a scale positive and finite; the
+  hyperparameters in PyTorch's ranges, a beta in ``[0, 1)``, stored as
+  ``1 - beta`` in ``(0, 1]``.
+  """
+  array, dtype = np.asarray(value), np.asarray(like).dtype
+  if array.dtype.kind in "iuf" and np.can_cast(array.dtype, dtype, "same_kind"):
+    with np.errstate(over="ignore", invalid="ignore"):  # cast where the cast keeps the value
+      cast = array.astype(dtype)
+    as_float = array.astype(np.float64)
+    if dtype.kind in "iu" and np.any(cast.astype(np.float64) != as_float):
+      return False
+    if np.any(np.isfinite(as_float) & ~np.isfinite(cast.astype(np.float64))):
+      return False  # finite as given, infinite as stored
+    array = cast
+  if array.dtype.kind not in "biuf" or array.shape != np.shape(like) or array.dtype != dtype:
+    return False
+  x = array.astype(np.float64)
+  if not np.all(np.isfinite(x)):
+    return False
+  key = _field(path)
+  if key in _SECOND_MOMENTS or key == "count":
+    return bool(np.all(x >= 0))
+  if key in ("scale",):
+    return bool(np.all(x >= float(np.finfo(np.float32).tiny)))
+  if key.startswith("one_minus_b"):
+    return bool(np.all((x > 0) & (x <= 1)))
+  if key in ("b1", "b2"):
+    return bool(np.all((x >= 0) & (x < 1)))
+  if key in ("learning_rate", "eps", "weight_decay"):
+    return bool(np.all(x >= 0))
+  return True
+
+
+def _draw_leaf(data, state: Any) -> tuple[Any, str, bool]:
+  """``state`` with one leaf replaced by a drawn value; its path; whether that is legal."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+  moments = [i for i, (path, _) in enumerate(leaves)
+             if any(m in jax.tree_util.keystr(path) for m in _SECOND_MOMENTS)]
+  if moments and data.draw(st.booleans()):
+    # A second moment that is negative: what a conversion that swapped the moments leaves.
+    index = data.draw(st.sampled_from(moments))
+    value = data.draw(_filled(np.shape(leaves[index][1]),
+                              st.floats(max_value=-2.0**-100, width=32)))
+  else:
+    index = data.draw(st.integers(0, len(leaves) - 1))
+    like = leaves[index][1]
+    value = data.draw(_leaf_values(np.shape(like), np.asarray(like).dtype))
+  path, like = leaves[index]
+  new = [leaf for _, leaf in leaves]
+  new[index] = value
+  where = jax.tree_util.keystr(path)
+  return jax.tree_util.tree_unflatten(treedef, new), where, legal_leaf(where, value, like)
+
+
+@_settings(40)
+@given(data=st.data(), keep_betas=st.booleans())
+def test_adam_state_leaves_load(data, keep_betas):
+  _ADAM.load_state_dict(_ADAM_GOOD)
+  state, where, legal = _draw_leaf(data, _ADAM_GOOD["state"])
+  group = dict(_ADAM_GOOD["param_groups"][0])
+  if not keep_betas:  # the state's stored 1 - beta is then kept as loaded
+    del group["betas"]
+  sd = dict(_ADAM_GOOD, state=state, param_groups=[group])
+  key = _field(where)
+  try:
+    check("AmpOptimWrapper(Adam).load_state_dict[state]", lambda: _ADAM.load_state_dict(sd),
+          ("state", key),
+          snapshot=_ADAM.state_dict, run=lambda _: _wrapper_iterations(_ADAM), descent=False,
+          legal=legal or (keep_betas and "one_minus_b" in key))
+  finally:
+    _ADAM.load_state_dict(_ADAM_GOOD)
+
+
+@jax.jit
+def _train_state_step(state):
+  grads = jax.grad(lambda p: state.scale_loss(loss_fn(p, TARGET)))(state.params)
+  return state.apply_gradients(grads=grads)
+
+
+@_settings(30)
+@given(data=st.data())
+def test_train_state_flax_restore(data):
+  serialization = pytest.importorskip("flax.serialization")
+  target = jaxamp.TrainState.create(apply_fn=None, params=W0, tx=_TS_TX)
+  saved = serialization.to_state_dict(target)
+  opt_state, where, legal = _draw_leaf(data, target.opt_state)
+  saved["opt_state"] = serialization.to_state_dict(opt_state)
+  key = _field(where)
+
+  def run(restored):
+    state = restored if restored is not None else target
+    for _ in range(2):
+      state = _train_state_step(state)
+    return state.params, float(state.loss_scale)
+
+  def call():
+    return serialization.from_state_dict(target, saved)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # msgpack and numpy on odd values
+    check("flax.serialization into TrainState", call,
+          ("state", "step", key), run=run, descent=False,
+          legal=legal)
+
+
+# -------------------------------------------------------------------------------------------------
+# Several keys at once: a refusal changes none of them.
+# -------------------------------------------------------------------------------------------------
+
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "params", "initial_lr")
+
+
+def _legal_entry(key: str, value: Any) -> bool:
+  if key == "betas":
+    return (isinstance(value, (tuple, list)) and len(value) == 2
+            and all(legal_hyperparam("betas", v) and number(v) is not None for v in value))
+  if key == "amsgrad":  # fixed at construction: a value equal to it changes nothing
+    built = _ADAM_GOOD["param_groups"][0]["amsgrad"]
+    return isinstance(value, (bool, int, float)) and value == built
+  if key == "params":
+    return False
+  return key == "initial_lr" or legal_hyperparam(key, value)
+
+
+@_settings(40)
+@given(data=st.data())
+def test_param_group_update_is_atomic(data):
+  _ADAM.load_state_dict(_ADAM_GOOD)
+  keys = data.draw(st.lists(st.sampled_from(_GROUP_KEYS), min_size=1, max_size=3, unique=True))
+  update = {}
+  for key in keys:
+    if key == "betas":
+      update[key] = data.draw(st.one_of(st.tuples(values, values),
+                                        st.tuples(st.just(0.9), rounds_to_one), values))
+    else:
+      update[key] = data.draw(hyperparameters)
+  legal = all(_legal_entry(k, v) for k, v in update.items())
+  group = _ADAM.param_groups[0]
+
+  def call():
+    group.update(update)
+    return "done"
+
+  try:
+    check("param_groups[0].update", call, tuple(keys) + ("params",),
+          snapshot=_ADAM.state_dict, run=lambda _: _wrapper_iterations(_ADAM), descent=False,
+          legal=legal)
+  finally:
+    _ADAM.load_state_dict(_ADAM_GOOD)
+
+
+# -------------------------------------------------------------------------------------------------
+# Two trees combined leaf by leaf: another shape is refused, naming the leaf.
+# -------------------------------------------------------------------------------------------------
+
+_SHAPES = [(), (1,), (2,), (3,), (1, 2), (2, 1), (4, 2)]
+_SCALED_SGD = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+
+
+def _combine(entry: str, shape: tuple) -> Any:
+  """Combines a tree whose leaf ``'w'`` has ``shape`` with a tree where it has shape ``(2,)``."""
+  leaf = jnp.ones(shape)
+  if entry == "dynamic_loss_scale.update":
+    return _SCALED_SGD.update({"w": leaf}, _SCALED_SGD.init(W0), W0)
+  if entry == "TrainState.apply_gradients":
+    state = jaxamp.TrainState.create(apply_fn=None, params=W0, tx=_SCALED_SGD)
+    return state.apply_gradients(grads={"w": leaf})
+  if entry == "accumulate_gradients.update":
+    tx = jaxamp.accumulate_gradients(_SCALED_SGD, 2)
+    return tx.update({"w": leaf}, tx.init(W0), W0)
+  if entry == "keep_if_skipped":
+    before = _SCALED_SGD.init(W0)
+    _, after = _SCALED_SGD.update({"w": jnp.ones(2)}, before, W0)
+    return jaxamp.keep_if_skipped({"w": leaf}, W0, before, after)
+  if entry == "overwrite_with_gradient.update":
+    variables = {"params": W0, "_overwrite_with_gradient": {"w": jnp.zeros(2)}}
+    tx = jaxamp.overwrite_with_gradient(_SCALED_SGD)
+    grads = {"params": {"w": jnp.ones(2)}, "_overwrite_with_gradient": {"w": leaf}}
+    return tx.update(grads, tx.init(variables), variables)
+  params = {"w": jnp.zeros(2, jnp.bfloat16)}
+  tx = jaxamp.low_precision_params(optax.sgd(0.1), "kahan")
+  return tx.update({"w": leaf.astype(jnp.bfloat16)}, tx.init(params), params)
+
+
+@_settings(30)
+@given(entry=st.sampled_from(["dynamic_loss_scale.update", "TrainState.apply_gradients",
+                              "accumulate_gradients.update", "keep_if_skipped",
+                              "overwrite_with_gradient.update", "low_precision_params.update"]),
+       shape=st.sampled_from(_SHAPES))
+def test_trees_of_other_shapes_are_refused(entry, shape):
+  check(entry, lambda: _combine(entry, shape), ("['w']",),
+        run=lambda _: _run_tx(_TEMPLATE_TX, reuse=True), legal=shape == (2,))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -853,3 +1156,225 @@ def test_validate_opt_state_checks_a_restored_state():
     jaxamp.validate_opt_state(nan_mu)
   with pytest.raises(ValueError, match="structure"):
     jaxamp.validate_opt_state(state, tx.init({"v": jnp.zeros(2)}))
+
+
+# Each value checked as it will be stored (float32), at every entry alike.
+
+
+@pytest.mark.parametrize("optimizer,key", [
+    (dict(type="SGD", lr=1e39), "lr"), (dict(type="SGD", lr=0.1, weight_decay=1e39), "weight_decay"),
+    (dict(type="SGD", lr=0.1, momentum=1e39), "momentum"),
+    (dict(type="SGD", lr=0.1, momentum=0.9, dampening=math.nan), "dampening"),
+    (dict(type="Adagrad", lr=0.1, initial_accumulator_value=1e39), "initial_accumulator_value"),
+    (dict(type=optax.adam, learning_rate=1e39), "learning_rate"),
+    (dict(type=optax.adam, learning_rate=0.1, b2=0.99999999), "b2"),  # float32 rounds it to 1
+])
+def test_build_optim_wrapper_checks_values_as_stored(optimizer, key):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # refused before numpy's overflow warning, not after
+    with pytest.raises(ValueError, match=rf"^{key} (overflows dtype float32|must be)"):
+      jaxamp.build_optim_wrapper(W0, dict(optimizer=optimizer))
+
+
+def test_a_beta_below_one_is_stored_as_its_complement():
+  # PyTorch's Adam holds 1 - beta: 1 - 0.99999999 is a float32, where 0.99999999 is 1.0.
+  wrapper = jaxamp.build_optim_wrapper(W0, dict(optimizer=dict(type="Adam", betas=(0.9,
+                                                                                  0.99999999))))
+  assert wrapper.param_groups[0]["betas"] == (0.9, 0.99999999)
+  wrapper.update_params(loss_fn, TARGET)
+  assert bool(jnp.all(jnp.isfinite(wrapper.params["w"])))
+
+
+@pytest.mark.parametrize("how", ["setter", "load", "update"])
+def test_a_learning_rate_float32_cannot_hold_is_refused_everywhere(how):
+  _restore_amp()
+  with pytest.raises(ValueError, match=r"\['lr'\]: lr overflows dtype float32.*1e\+39"):
+    if how == "setter":
+      _AMP.param_groups[0]["lr"] = 1e39
+    elif how == "update":
+      _AMP.param_groups[0].update(lr=1e39)
+    else:
+      sd = _AMP.state_dict()
+      _AMP.load_state_dict(dict(sd, param_groups=[dict(sd["param_groups"][0], lr=1e39)]))
+  assert _same(_AMP.state_dict(), _AMP_GOOD)
+  params, _ = _wrapper_iterations(_AMP)
+  assert _loss(params) < _loss(W0)
+
+
+def test_param_group_update_is_all_or_nothing():
+  _ADAM.load_state_dict(_ADAM_GOOD)
+  group = _ADAM.param_groups[0]
+  with pytest.raises(ValueError, match=r"\['betas'\]: betas\[1\] must be a number in \[0, 1\)"):
+    group.update({"lr": 0.01, "betas": (0.9, 2.0), "initial_lr": 0.5})
+  assert group["lr"] == 0.1 and "initial_lr" not in group
+  assert _same(_ADAM.state_dict(), _ADAM_GOOD)
+  group.update({"lr": 0.01, "betas": (0.8, 0.99)}, initial_lr=0.5)
+  assert (group["lr"], group["betas"], group["initial_lr"]) == (0.01, (0.8, 0.99), 0.5)
+  _ADAM.load_state_dict(_ADAM_GOOD)
+
+
+def test_param_group_deletions_say_what_cannot_be_deleted():
+  _ADAM.load_state_dict(_ADAM_GOOD)
+  group = _ADAM.param_groups[0]
+  group["initial_lr"] = 0.1
+  for key, why in (("lr", "held in the optimizer state"), ("params", "names the group"),
+                   ("amsgrad", "fixed at construction")):
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]\['{key}'\] cannot be deleted.*{why}"):
+      del group[key]
+  with pytest.raises(KeyError, match="has no key 'momentum'"):
+    del group["momentum"]
+  with pytest.raises(ValueError, match="cannot be deleted"):
+    group.clear()
+  assert group.pop("missing", None) is None
+  assert group.popitem() == ("initial_lr", 0.1)
+  with pytest.raises(KeyError, match="popitem"):
+    group.popitem()
+  assert _same(_ADAM.state_dict(), _ADAM_GOOD)
+
+
+# validate_opt_state knows the optimizer state's invariants.
+
+
+def _with_leaf(state, field, value):
+  """``state`` with every leaf under a field named ``field`` replaced by ``value``."""
+  def put(path, leaf):
+    names = [getattr(k, "name", None) for k in path]
+    return jnp.full_like(leaf, value) if field in names else leaf
+  return jax.tree_util.tree_map_with_path(put, state)
+
+
+@pytest.mark.parametrize("make,field", [
+    (lambda: optax.adam(0.1), "nu"), (lambda: optax.amsgrad(0.1), "nu_max"),
+    (lambda: optax.rmsprop(0.1), "nu"), (lambda: optax.adagrad(0.1), "sum_of_squares"),
+    (lambda: optax.adafactor(0.1, min_dim_size_to_factor=1), "v_row"),
+    (lambda: optax.adadelta(0.1), "e_x"),
+])
+def test_validate_opt_state_refuses_negative_second_moments(make, field):
+  params = {"w": jnp.ones((2, 2))}
+  state = make().init(params)
+  assert jaxamp.validate_opt_state(_with_leaf(state, field, 0.0)) is not None
+  with pytest.raises(ValueError, match=rf"negative second moments at .*{field}"):
+    jaxamp.validate_opt_state(_with_leaf(state, field, -1.0))
+
+
+def test_a_first_moment_may_be_negative():
+  state = optax.adam(0.1).init(W0)
+  jaxamp.validate_opt_state(_with_leaf(state, "mu", -1.0))
+
+
+def test_negative_second_moments_are_refused_on_load():
+  _ADAM.load_state_dict(_ADAM_GOOD)
+  sd = dict(_ADAM_GOOD, state=_with_leaf(_ADAM_GOOD["state"], "exp_avg_sq", -1.0))
+  with pytest.raises(ValueError, match=r"negative second moments at .*exp_avg_sq\['w'\]"):
+    _ADAM.load_state_dict(sd)
+  assert _same(_ADAM.state_dict(), _ADAM_GOOD)
+
+
+@pytest.mark.parametrize("key,value", [("one_minus_b1", 2.0), ("one_minus_b1", -0.5),
+                                       ("one_minus_b1", 0.0), ("one_minus_b2", 1.5)])
+def test_a_loaded_stored_beta_is_checked(key, value):
+  _ADAM.load_state_dict(_ADAM_GOOD)
+  state = _ADAM_GOOD["state"]
+  state = state._replace(hyperparams=dict(state.hyperparams, **{key: jnp.float32(value)}))
+  group = {k: v for k, v in _ADAM_GOOD["param_groups"][0].items() if k != "betas"}
+  with pytest.raises(ValueError, match=rf"hyperparams\['{key}'\] must be a number in \(0, 1\]"):
+    _ADAM.load_state_dict(dict(_ADAM_GOOD, state=state, param_groups=[group]))
+  assert _same(_ADAM.state_dict(), _ADAM_GOOD)
+  params, _ = _wrapper_iterations(_ADAM)
+  assert _loss(params) < _loss(W0)
+
+
+@pytest.mark.parametrize("key,value", [("b1", 1.5), ("b2", 1.0), ("b1", -0.1),
+                                       ("learning_rate", -1.0)])
+def test_validate_opt_state_checks_injected_hyperparameters(key, value):
+  tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+  state = tx.init(W0)
+  bad = state._replace(hyperparams=dict(state.hyperparams, **{key: jnp.float32(value)}))
+  with pytest.raises(ValueError, match=rf"hyperparams\['{key}'\] must be"):
+    jaxamp.validate_opt_state(bad, state)
+
+
+def test_validate_opt_state_checks_a_stored_beta_field():
+  optax_contrib = pytest.importorskip("optax.contrib")
+  tx = jaxamp.dynamic_loss_scale(optax_contrib.schedule_free(optax.sgd(0.1), 0.1, b1=0.9))
+  state = tx.init(W0)
+  bad = state._replace(inner_state=state.inner_state._replace(b1=jnp.float32(1.0)))
+  with pytest.raises(ValueError, match=r"inner_state.b1 must be a number in \[0, 1\)"):
+    jaxamp.validate_opt_state(bad)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda s: s._replace(scale=jnp.full([1], 8.0)), r"state.scale must be a scalar"),
+    (lambda s: s._replace(skip_streak=jnp.zeros([1], jnp.int32)), r"skip_streak must be a scalar"),
+    (lambda s: s._replace(inner_state=(s.inner_state[0]._replace(count=jnp.float32(2.5)),)
+                          + s.inner_state[1:]), r"count must hold whole numbers"),
+    (lambda s: s._replace(inner_state=(s.inner_state[0]._replace(count=jnp.zeros([1], jnp.int32)),)
+                          + s.inner_state[1:]), r"count must be a scalar"),
+])
+def test_validate_opt_state_without_a_template_refuses_what_would_broadcast(change, message):
+  state = jaxamp.dynamic_loss_scale(optax.adam(0.1)).init(W0)
+  with pytest.raises(ValueError, match=message):
+    jaxamp.validate_opt_state(change(state))
+  whole = state._replace(inner_state=(state.inner_state[0]._replace(count=jnp.float32(2.0)),)
+                         + state.inner_state[1:])
+  jaxamp.validate_opt_state(whole)  # a float count is whole (the template checks dtypes)
+
+
+# The restore hook jaxamp registers validates what it restores.
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("scale", np.float32(np.nan), "state.scale must be finite"),
+    ("scale", np.full([1], 8.0, np.float32), "must have shape ()"),
+    ("growth_tracker", np.int32(-2), "growth_tracker must be an int >= 0"),
+])
+def test_flax_restore_into_train_state_is_validated(field, value, message):
+  serialization = pytest.importorskip("flax.serialization")
+  state = jaxamp.TrainState.create(apply_fn=None, params=W0, tx=_TS_TX)
+  saved = serialization.to_state_dict(state)
+  saved["opt_state"][field] = value
+  with pytest.raises(ValueError, match=re.escape(message)):
+    serialization.from_bytes(state, serialization.msgpack_serialize(saved))
+  restored = serialization.from_bytes(state, serialization.to_bytes(state))
+  assert float(restored.loss_scale) == 8.0
+
+
+def test_flax_restore_refuses_a_negative_step():
+  serialization = pytest.importorskip("flax.serialization")
+  state = jaxamp.TrainState.create(apply_fn=None, params=W0, tx=_TS_TX)
+  saved = serialization.to_state_dict(state)
+  saved["step"] = np.int32(-1)
+  with pytest.raises(ValueError, match="step must be an int >= 0"):
+    serialization.from_state_dict(state, saved)
+
+
+# Shapes: per-example gradients reach a transformation that reduces them.
+
+
+def test_per_example_gradients_reach_the_transformation_inside_the_scaler():
+  # A transformation that reduces per-example gradients (as optax.contrib's DP-SGD aggregate does).
+  mean = optax.GradientTransformation(
+      lambda params: optax.EmptyState(),
+      lambda updates, state, params=None: (jax.tree.map(lambda g: jnp.mean(g, 0), updates), state))
+  tx = jaxamp.dynamic_loss_scale(optax.chain(mean, optax.sgd(0.1)), init_scale=8.0)
+  state = tx.init(W0)
+  per_example = {"w": jnp.full((4, 2), -8.0)}  # the scaled gradients of four examples
+  updates, state = tx.update(per_example, state, W0)
+  assert updates["w"].shape == (2,) and not bool(state.skipped)
+  with pytest.raises(ValueError, match=r"the updates leaf \['w'\] has shape \(4, 2\)"):
+    _SCALED_SGD.update(per_example, _SCALED_SGD.init(W0), W0)  # not reduced: refused
+
+
+# Unhelpful errors, now named.
+
+
+def test_errors_name_the_argument():
+  with pytest.raises(TypeError, match="inner must be an optax GradientTransformation.*None"):
+    jaxamp.overwrite_with_gradient(None)
+  with pytest.raises(TypeError, match="state_dtype must be a floating-point dtype.*got None"):
+    jaxamp.low_precision_params(optax.sgd(0.1), state_dtype=None)
+  tx = jaxamp.low_precision_params(optax.sgd(1e-3), "kahan")
+  state = tx.init({"a": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(3)})
+  moved = {"a": jnp.ones(2), "b": jnp.ones(3, jnp.bfloat16)}
+  with pytest.raises(ValueError, match=r"bfloat16 parameter \['b'\] has shape \(3,\).*\(2,\)"):
+    tx.update(jax.tree.map(jnp.ones_like, moved), state, moved)

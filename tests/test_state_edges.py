@@ -9,6 +9,7 @@ what their docstrings promise.
 
 import collections
 import functools
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -61,6 +62,8 @@ def _saved(tx, params=PARAMS):
     leaf = jnp.asarray(leaf)
     if leaf.dtype == jnp.bool_:
       return jnp.logical_not(leaf)
+    if jnp.issubdtype(leaf.dtype, jnp.floating):  # betas stay in [0, 1), moments >= 0
+      return (leaf * 0.5 + 0.25).astype(leaf.dtype)
     return (leaf * 3 + 2).astype(leaf.dtype)
 
   state = jax.tree.map(change, tx.init(params))
@@ -503,6 +506,73 @@ def test_a_broken_composition_nested_in_another_transformation_is_refused(wrap, 
   state = wrap(broken()).init({"w": jnp.zeros(2)})
   with pytest.raises(ValueError, match="cannot work"):
     jaxamp.loss_scale(state)
+
+
+_DLS = lambda inner: jaxamp.dynamic_loss_scale(inner, init_scale=8.0)  # noqa: E731
+_MISUSED = {
+    "chain_after": (lambda: optax.chain(_DLS(optax.identity()), optax.adam(0.1)),
+                    "jaxamp.dynamic_loss_scale(optax.chain(...))"),
+    "chain_before": (lambda: optax.chain(optax.adam(0.1), _DLS(optax.identity())),
+                     "jaxamp.dynamic_loss_scale(optax.chain(...))"),
+    "multisteps": (lambda: optax.MultiSteps(_DLS(optax.adam(0.1)), 2),
+                   "jaxamp.accumulate_gradients"),
+    "apply_if_finite": (lambda: optax.apply_if_finite(_DLS(optax.adam(0.1)), 3),
+                        "jaxamp.dynamic_loss_scale(inner) alone"),
+    "schedule_free": (lambda: optax.contrib.schedule_free(_DLS(optax.sgd(0.1)), 0.1),
+                      "jaxamp.dynamic_loss_scale(optax.contrib.schedule_free("),
+    "partition": (lambda: optax.partition({"a": _DLS(optax.sgd(0.1)), "b": optax.adam(0.1)},
+                                          {"w": "a", "v": "b"}),
+                  "jaxamp.dynamic_loss_scale(optax.partition(...))"),
+    "lookahead": (lambda: optax.lookahead(_DLS(optax.sgd(0.1)), 2, 0.5),
+                  "holds state of its own"),
+}
+_PARAMS2 = {"w": jnp.ones(2), "v": jnp.ones(2)}
+
+
+@pytest.mark.parametrize("name", sorted(_MISUSED))
+def test_misused_compositions_are_refused_where_the_state_is_first_built(name):
+  make, hint = _MISUSED[name]
+  params = (optax.LookaheadParams(_PARAMS2, _PARAMS2) if name == "lookahead" else _PARAMS2)
+  state = make().init(params)
+  refusals = {
+      "TrainState.create": lambda: jaxamp.TrainState.create(apply_fn=None, params=params,
+                                                            tx=make()),
+      "OptimWrapper": lambda: jaxamp.OptimWrapper(make(), params),
+      "accumulate_gradients.init": lambda: jaxamp.accumulate_gradients(make(), 2).init(params),
+      "overwrite_with_gradient.init": lambda: jaxamp.overwrite_with_gradient(make()).init(params),
+      "validate_opt_state": lambda: jaxamp.validate_opt_state(state),
+      "update_applied": lambda: jaxamp.update_applied(state, state),
+      "keep_if_skipped": lambda: jaxamp.keep_if_skipped({}, {}, state, state),
+      "step_metrics": lambda: jaxamp.step_metrics(state),
+  }
+  for where, call in refusals.items():
+    with pytest.raises(ValueError, match=re.escape(hint)):
+      call()
+      pytest.fail(f"{where} accepted {name}")
+
+
+def test_misused_compositions_are_refused_by_the_nnx_optimizer():
+  nnx = pytest.importorskip("flax.nnx")
+  import jaxamp.nnx  # noqa: PLC0415 (imports flax)
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="beside a transformation that holds state"):
+    jaxamp.nnx.Optimizer(model, _MISUSED["chain_after"][0](), wrt=nnx.Param)
+
+
+@pytest.mark.parametrize("tx", [
+    optax.inject_hyperparams(lambda learning_rate: _DLS(optax.sgd(learning_rate)))(
+        learning_rate=0.1),
+    optax.masked(_DLS(optax.sgd(0.1)), {"w": True, "v": True}),
+    _DLS(optax.contrib.schedule_free(optax.sgd(0.1), 0.1)),
+    jaxamp.low_precision_params(_DLS(optax.sgd(0.1, momentum=0.9)), "kahan"),
+    optax.partition({"a": _DLS(optax.sgd(0.1)), "b": optax.set_to_zero()}, {"w": "a", "v": "b"}),
+], ids=["inject_hyperparams", "masked", "schedule_free_inside", "low_precision", "partition"])
+def test_compositions_that_work_are_accepted(tx):
+  state = jaxamp.TrainState.create(apply_fn=None, params=_PARAMS2, tx=tx)
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 8.0), _PARAMS2)
+  state = state.apply_gradients(grads=grads)
+  assert int(state.step) == 1
+  jaxamp.validate_opt_state(state.opt_state)
 
 
 def test_a_list_of_optimizer_states_is_not_taken_for_a_chain():

@@ -216,6 +216,8 @@ def accumulate_gradients(
       acc = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=leaf_acc_dtype(p)), params)
     else:
       acc = optax.EmptyState()
+    inner_state = inner.init(params)
+    state_lib.check_compositions(inner_state)
     return AccumulationState(
         mini_step=jnp.zeros([], jnp.int32),
         gradient_step=jnp.zeros([], jnp.int32),
@@ -223,12 +225,15 @@ def accumulate_gradients(
         updated=jnp.zeros([], jnp.bool_),
         skipped_windows=jnp.zeros([], jnp.int32),
         acc_grads=acc,
-        inner_state=inner.init(params),
+        inner_state=inner_state,
     )
 
   def update_fn(updates: optax.Updates, state: Any, params: Optional[optax.Params] = None,
                 **extra_args: Any) -> tuple[optax.Updates, Any]:
     grads = updates  # the (scaled) gradients
+    if accumulates:
+      validation.check_shapes_like("the gradients", grads, "the accumulated gradients",
+                                   state.acc_grads)
     grads = finite.stored_once(grads)  # one stored copy, as in the loss scalers
     # Static: a loss scaler inside does its own finite check and skipping.
     scaler_inside = state_lib.skips_nonfinite_steps(state.inner_state)

@@ -39,6 +39,7 @@ from jax import lax
 
 from jaxamp._src import finite
 from jaxamp._src import state as state_lib
+from jaxamp._src import validation
 from jaxamp._src.state import AccumulationState
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
@@ -106,6 +107,12 @@ def written(applied: jax.Array, new_fp8: Any) -> jax.Array:
   return jnp.logical_and(applied, finite.all_finite(new_fp8))
 
 
+def check_values(new_fp8: Any, old_fp8: Any) -> None:
+  """Refuses returned fp8 values of another tree structure or shape than the collection's."""
+  validation.check_shapes_like(f"the returned '{OVERWRITE_WITH_GRADIENT}' values", new_fp8,
+                               "the variables", old_fp8)
+
+
 def step_values(window: Any, new_fp8: Any, old_fp8: Any, applied: jax.Array,
                 after: Any) -> tuple[Any, Any]:
   """``(window, values)``: one step's fp8 values to write, and the accumulation window after it.
@@ -127,6 +134,7 @@ def step_values(window: Any, new_fp8: Any, old_fp8: Any, applied: jax.Array,
     after: the optimizer state the update returned (says whether the window
       closed).
   """
+  check_values(new_fp8, old_fp8)
   combined = new_fp8
   if jax.tree.leaves(window):
     combined = jax.tree.map(_maximum, window, new_fp8)
@@ -239,6 +247,7 @@ class Overwrite:
     return f"Overwrite({self.values!r})"
 
 
+@state_lib.declare_state_around_scaler
 class OverwriteWithGradientState(NamedTuple):
   """State of :func:`overwrite_with_gradient`.
 
@@ -295,6 +304,11 @@ def overwrite_with_gradient(inner: optax.GradientTransformation
     :class:`OverwriteWithGradientState`. ``update`` needs ``params`` when
     the gradients hold the fp8 collection.
 
+  Raises:
+    TypeError: when ``inner`` is not an optax transformation.
+    ValueError: (at ``update``, trace time) returned fp8 values of another
+      tree structure or shape than the collection's, named by the leaf.
+
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
     >>> variables = {'params': {'w': jnp.ones(2)},
@@ -309,9 +323,12 @@ def overwrite_with_gradient(inner: optax.GradientTransformation
     (Array([0.5, 0.5], dtype=float32), Array([3., 4.], dtype=float32))
   """
 
+  inner = validation.check_gradient_transformation(inner, "inner")
+
   def init_fn(params: Any) -> OverwriteWithGradientState:
     rest, fp8 = split(params)
     inner_state = inner.init(rest)
+    state_lib.check_compositions(inner_state)
     accumulates = bool(state_lib.find_states(inner_state, AccumulationState))
     window = empty_window(fp8) if (fp8 is not None and accumulates) else optax.EmptyState()
     return OverwriteWithGradientState(window=window, inner_state=inner_state)
@@ -323,6 +340,8 @@ def overwrite_with_gradient(inner: optax.GradientTransformation
     if new_fp8 is not None and old_fp8 is None:
       raise ValueError("overwrite_with_gradient: the gradients hold the fp8 collection "
                        f"'{OVERWRITE_WITH_GRADIENT}'; pass the variables as params to update()")
+    if new_fp8 is not None:
+      check_values(new_fp8, old_fp8)
     grads = flag_overflow(grads, new_fp8, state.inner_state)
     rest_updates, inner_state = inner.update(grads, state.inner_state, rest_params, **extra_args)
     if new_fp8 is None:

@@ -285,6 +285,8 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
                 **extra_args: Any) -> tuple[optax.Updates, Any]:
     grads = updates  # the (scaled) gradients
     check_grad_dtypes(grads, "gradient")
+    if params is not None:  # leading: per-example gradients, for a transformation inside
+      validation.check_shapes_like("the gradients", grads, "the parameters", params, leading=True)
     # One stored copy of the gradients for the check and the update alike, where
     # XLA honours barriers through fusion (see jaxamp._src.finite).
     grads = finite.stored_once(grads)
@@ -297,6 +299,8 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
     updates, inner_state = selective_update.select_update(
         check.finite, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
         state.inner_state)
+    if params is not None:
+      validation.check_shapes_like("the updates", updates, "the parameters", params)
     new_state = advance(rule, state, jnp.logical_not(check.finite), stall_after)._replace(
         nonfinite_leaves=check.nonfinite_leaves, inner_state=inner_state)
     if on_stall == "warn":

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxamp._src import state as state_lib
 from jaxamp._src import validation
 from jaxamp._src.state import LowPrecisionState
 
@@ -161,6 +162,18 @@ def _leaves_like(treedef: Any, tree: Any, what: str) -> list:
   return leaves
 
 
+def _check_compensation(params: Any, compensation: list) -> None:
+  """Refuses a bfloat16 leaf of another shape than its compensation buffer (a moved leaf)."""
+  low = [(path, p) for path, p in jax.tree_util.tree_leaves_with_path(params) if _is_low(p)]
+  for j, ((path, p), c) in enumerate(zip(low, compensation)):
+    if jnp.shape(c) != jnp.shape(p):
+      raise ValueError(
+          f"the bfloat16 parameter {jax.tree_util.keystr(path) or '<root>'} has shape "
+          f"{jnp.shape(p)}, but the state's Kahan compensation of bfloat16 leaf {j} has shape "
+          f"{jnp.shape(c)}: pass the params the state was initialised with, with the same "
+          "leaves in bfloat16")
+
+
 def _upcast(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.astype(jnp.float32) if _is_low(x) else x, tree)
 
@@ -231,6 +244,14 @@ def low_precision_params(
   accumulating step does not run it, so its key and buffers stay
   bit-identical.
 
+  ``update`` takes the parameters the state was initialised with: the
+  gradients must have their structure and shapes, and the state knows how
+  many leaves are bfloat16 and, with Kahan rounding, their shapes, so a
+  different count or a bfloat16 leaf of another shape than its compensation
+  buffer is refused. Which leaves they are is not recorded: a bfloat16 leaf
+  swapped with a float32 leaf of the same shape would take over the other's
+  compensation (less than half a bfloat16 spacing of it).
+
   Args:
     inner: the optax transformation, e.g. ``optax.adamw(3e-4)``.
     rounding: ``"stochastic"``, ``"kahan"`` or ``"nearest"``.
@@ -248,7 +269,9 @@ def low_precision_params(
       an int, or ``state_dtype`` not a dtype.
     ValueError: for an unknown ``rounding``, a ``seed`` out of range, a
       ``state_dtype`` other than float32 and bfloat16, and (at ``init`` and
-      trace time) float16 parameters or a missing ``params``.
+      trace time) float16 parameters, a missing ``params``, gradients of
+      another shape than the parameters or a moved bfloat16 leaf (named by
+      its path).
 
   Examples:
     Adding ``1e-4`` to a bfloat16 ``1.0`` 100 times: nearest rounding loses
@@ -290,9 +313,11 @@ def low_precision_params(
     key = jax.random.key_data(jax.random.key(seed, impl=_KEY_IMPL)).astype(jnp.uint32)
     compensation = ([jnp.zeros_like(x, dtype=jnp.int16) for x in low] if rounding == "kahan"
                     else [])
+    inner_state = inner.init(views)
+    state_lib.check_compositions(inner_state)
     return LowPrecisionState(key=key, compensation=compensation,
                              stale_fraction=jnp.zeros([len(low)], jnp.float32),
-                             inner_state=inner.init(views))
+                             inner_state=inner_state)
 
   def update_fn(updates: optax.Updates, state: Any,
                 params: Optional[optax.Params] = None, **extra_args: Any
@@ -303,10 +328,12 @@ def low_precision_params(
     _check_leaves(params, "params")
     p_leaves, treedef = jax.tree.flatten(params)
     g_leaves = _leaves_like(treedef, updates, "the gradients")
+    validation.check_shapes_like("the gradients", updates, "the parameters", params)
     is_low = [_is_low(p) for p in p_leaves]
     if sum(is_low) != state.stale_fraction.shape[0]:
       raise ValueError(f"params have {sum(is_low)} bfloat16 leaves, the params the state was "
                        f"initialised with {state.stale_fraction.shape[0]}")
+    _check_compensation(params, state.compensation)
     p_views = [jnp.asarray(p).astype(jnp.float32) if low else p
                for p, low in zip(p_leaves, is_low)]
     g_views = [jnp.asarray(g).astype(jnp.float32) if low else g

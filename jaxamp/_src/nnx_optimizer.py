@@ -73,6 +73,7 @@ class Optimizer(nnx.Optimizer):
 
   def __init__(self, model: Any, tx: Any, *, wrt: Any, **kwargs: Any):
     super().__init__(model, tx, wrt=wrt, **kwargs)
+    state_lib.check_compositions(_as_pure(self.opt_state))
     if jax.tree.leaves(nnx.state(nnx.state(model, wrt), OverwriteWithGradient)):
       raise ValueError(
           f"wrt={wrt!r} selects Flax's fp8 state ({fp8.OVERWRITE_WITH_GRADIENT} variables): "

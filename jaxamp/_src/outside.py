@@ -4,17 +4,23 @@ A constructor checks its arguments (:mod:`jaxamp._src.validation`); a value
 that arrives later (a state dict, a restored checkpoint, a setter,
 ``GradScaler.update(new_scale)``) must pass the same rules, or a single bad
 number turns descent into ascent or stalls a run for good. The rules live
-here once, for the functional core and every facade:
+here once, for the functional core and every facade, and each checks the
+value **as it will be stored**: converted to the dtype the state holds it in
+(``1e39`` is a finite Python float and an infinite float32, ``0.99999999``
+a beta below 1 that float32 rounds to 1):
 
 * a loss scale is a positive, finite real within ``[min_scale, max_scale]``;
 * a counter is a whole number in ``[0, INT32_MAX]`` (it is stored in an int32);
 * a flag is a bool (not a string, not ``None``, not ``0``/``1``);
 * a clipping bound is a real number that is not nan and not negative;
-* a learning rate (and the other hyperparameters PyTorch bounds below by 0)
-  is finite and not negative;
+* a hyperparameter is finite in its stored dtype and in its range there
+  (:data:`RANGES`: learning rates and the others PyTorch bounds below by 0
+  are not negative, betas lie in ``[0, 1)``, the facade's ``1 - beta`` in
+  ``(0, 1]``);
 * a restored optimizer state has the template's tree structure, shapes and
-  dtypes, finite floating leaves and non-negative step counts
-  (:func:`validate_opt_state`).
+  dtypes, scalar scalars, finite floating leaves, non-negative second
+  moments, whole non-negative step counts, hyperparameters in range, and no
+  loss scaler in a composition that cannot work (:func:`validate_opt_state`).
 
 Each check names the key or argument, the bad value and what is accepted.
 A caller validates everything a call brings before it changes anything, so
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +50,36 @@ MAX_SCALE = float(np.finfo(np.float32).max)
 NON_NEGATIVE = frozenset({"lr", "learning_rate", "eps", "weight_decay", "momentum", "dampening",
                           "lr_decay", "initial_accumulator_value", "lr_mult", "decay_mult",
                           "alpha"})
-#: Hyperparameters in ``[0, 1)`` (PyTorch's Adam betas).
-UNIT_INTERVAL = frozenset({"betas[0]", "betas[1]"})
+#: Hyperparameters in ``[0, 1)``: PyTorch's Adam betas, and optax's.
+UNIT_INTERVAL = frozenset({"betas[0]", "betas[1]", "b1", "b2", "b3"})
+
+
+class Range(NamedTuple):
+  """An interval of real numbers, and how a message says it."""
+
+  low: float
+  high: float
+  low_open: bool
+  high_open: bool
+  accepted: str
+
+  def holds(self, values: Any) -> Any:
+    """Whether each of ``values`` (a float or a numpy array) lies in the interval."""
+    above = values > self.low if self.low_open else values >= self.low
+    below = values < self.high if self.high_open else values <= self.high
+    return above & below
+
+
+#: The range of each hyperparameter, by its name in the state (PyTorch's or optax's) or by the
+#: name of the form the facade stores it in (``1 - beta``, ``1 - alpha``).
+RANGES: dict = {
+    **{key: Range(0.0, math.inf, False, True, "a finite number >= 0") for key in NON_NEGATIVE},
+    **{key: Range(0.0, 1.0, False, True, "a number in [0, 1)") for key in UNIT_INTERVAL},
+    **{key: Range(0.0, 1.0, True, False, "a number in (0, 1] (1 - beta, beta in [0, 1))")
+       for key in ("one_minus_b1", "one_minus_b2")},
+    "one_minus_alpha": Range(-math.inf, 1.0, True, False, "a finite number <= 1 (1 - alpha, "
+                             "alpha >= 0)"),
+}
 
 
 def _host_scalar(name: str, value: Any, accepted: str) -> Any:
@@ -167,27 +201,41 @@ def clip_value(name: str, value: Any) -> float:
   return max_norm(name, value)
 
 
-def hyperparam(name: str, value: Any, key: Optional[str] = None) -> float:
-  """A hyperparameter set or loaded after construction (``lr``...): a finite real number.
+def hyperparam(name: str, value: Any, key: Optional[str] = None, dtype: Any = np.float32
+               ) -> float:
+  """A hyperparameter from outside (``lr``...), checked as it will be stored in ``dtype``.
 
+  ``value`` must be a real number that ``dtype`` holds as a finite number
+  (``1e39`` overflows float32), within the range :data:`RANGES` gives
   ``key`` (the name without its position, e.g. ``'lr'`` for
-  ``"param_groups[0]['lr']"``) selects the range: PyTorch's constructors
-  refuse negative learning rates, epsilons, momenta and weight decays, and
-  so does every later write.
+  ``"param_groups[0]['lr']"``; ``name`` when not given) once rounded to
+  ``dtype``: PyTorch's constructors refuse negative learning rates,
+  epsilons, momenta and weight decays, and so does every later write.
+
+  Returns:
+    ``value`` as a Python float (before the rounding to ``dtype``).
 
   Raises:
     TypeError: not a real number.
-    ValueError: nan, inf, or negative where the constructor refuses it.
+    ValueError: nan, inf, a number ``dtype`` cannot hold, or out of range.
+
+  Examples:
+    >>> hyperparam("lr", 0.1)
+    0.1
+    >>> hyperparam("betas[1]", 0.99999999)
+    Traceback (most recent call last):
+    ...
+    ValueError: betas[1] must be a number in [0, 1), got 0.99999999 (1.0 as stored in float32)
   """
   out = validation.check_real(name, validation.one_element(value), arrays=True,
                               kind="hyperparameters")
   if not math.isfinite(out):
     raise ValueError(f"{name} must be a finite number, got {value!r}")
-  key = name if key is None else key
-  if key in NON_NEGATIVE and out < 0.0:
-    raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-  if key in UNIT_INTERVAL and not 0.0 <= out < 1.0:
-    raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+  stored = float(fits(name, out, dtype))
+  rule = RANGES.get(name if key is None else key)
+  if rule is not None and not rule.holds(stored):
+    rounded = "" if stored == out else f" ({stored!r} as stored in {jnp.dtype(dtype)})"
+    raise ValueError(f"{name} must be {rule.accepted}, got {value!r}{rounded}")
   return out
 
 
@@ -242,27 +290,82 @@ def fits(name: str, value: Any, dtype: Any) -> np.ndarray:
       cast = raw.astype(dtype)
     finite_in = np.isfinite(raw.astype(np.float64))
     if np.any(finite_in & ~np.isfinite(cast.astype(np.float64))):
-      raise ValueError(f"{name} overflows dtype {dtype}: got {value!r}")
+      raise ValueError(f"{name} overflows dtype {dtype}, the dtype it is stored in (largest "
+                       f"finite: {float(jnp.finfo(dtype).max):.7g}): got {value!r}")
     return cast
   return raw.astype(dtype)
 
 
 _UNBOUNDED_FLOATS = ("total_norm",)  # a recorded norm may be inf or nan (a skipped step's)
 _INJECT_TYPES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+#: Fields of optimizer states that hold second moments (running means or sums of squares, never
+#: negative): by name, and by (state type, name) where the name alone says nothing.
+_SECOND_MOMENTS = frozenset({"nu", "nu_max", "sum_of_squares", "exp_avg_sq", "max_exp_avg_sq",
+                             "square_avg", "state_sum", "v_row", "v_col", "e_g", "e_x"})
+_SECOND_MOMENTS_OF = {"FactoredState": ("v",), "ScaleByAdanState": ("n",),
+                      "ScaleBySimplifiedAdEMAMixState": ("n",)}
+_SIGNED_MOMENTS = ("SophiaState",)  # its nu is a running estimate of the Hessian, of either sign
+#: State fields that hold a beta (optax.contrib.schedule_free's b1), in any stored form.
+_BETA_FIELDS = frozenset({"b1", "b2", "b3", "one_minus_b1", "one_minus_b2"})
 
 
 def _is_named(node: Any) -> bool:
   return isinstance(node, tuple) and hasattr(node, "_fields")
 
 
+def _is_second_moment(node: Any, field: str) -> bool:
+  kind = type(node).__name__
+  return kind not in _SIGNED_MOMENTS and (field in _SECOND_MOMENTS
+                                          or field in _SECOND_MOMENTS_OF.get(kind, ()))
+
+
+def scalar(where: str, value: Any) -> Any:
+  """``value`` (concrete) when it is a scalar: a one-element array is refused (it would broadcast).
+
+  Raises:
+    ValueError: ``value`` has a shape other than ``()``.
+  """
+  value = _concrete(value)
+  if np.ndim(value) != 0:
+    raise ValueError(f"{where} must be a scalar (shape ()), got shape {np.shape(value)}")
+  return value
+
+
+def _check_counts(where: str, value: Any) -> None:
+  """A step count (or a tree of them): whole numbers in ``[0, INT32_MAX]``, in any dtype."""
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    value = scalar(where, value)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+    array = np.asarray(_concrete(leaf))
+    name = where + _path(path).replace("<root>", "")
+    if array.ndim == 0 and np.issubdtype(array.dtype, np.integer):
+      counter(name, array)
+      continue
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.number):
+      raise TypeError(f"{name} must hold whole numbers, got {leaf!r}")
+    as_float = array.astype(np.float64)
+    if not np.all(np.isfinite(as_float) & (as_float == np.round(as_float))
+                  & (as_float >= 0) & (as_float <= INT32_MAX)):
+      raise ValueError(f"{name} must hold whole numbers in [0, {INT32_MAX}], got {leaf!r}")
+
+
+def _check_range(where: str, key: str, value: Any) -> None:
+  """Every element of a stored hyperparameter within the range :data:`RANGES` gives ``key``."""
+  array = np.asarray(_concrete(value))
+  if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.number):
+    return  # not a number: none of the ranges applies (optax's own checks see it)
+  if not np.all(RANGES[key].holds(array.astype(np.float64))):
+    raise ValueError(f"{where} must be {RANGES[key].accepted}, got {value!r}")
+
+
 def _check_loss_scale_state(node: Any, where: str) -> None:
   from jaxamp._src.state import LossScaleState  # noqa: PLC0415 (state imports this module)
   assert isinstance(node, LossScaleState)
-  scale(f"{where}.scale", _concrete(node.scale))
+  scale(f"{where}.scale", scalar(f"{where}.scale", node.scale))
   for field in ("growth_tracker", "overflow_count", "skipped_steps", "skip_streak"):
-    counter(f"{where}.{field}", _concrete(getattr(node, field)))
+    counter(f"{where}.{field}", scalar(f"{where}.{field}", getattr(node, field)))
   for field in ("skipped", "stalled"):
-    flag(f"{where}.{field}", _concrete(getattr(node, field)))
+    flag(f"{where}.{field}", scalar(f"{where}.{field}", getattr(node, field)))
   leaves = _concrete(node.nonfinite_leaves)
   if np.ndim(leaves) != 1 or np.asarray(leaves).dtype != np.bool_:
     raise ValueError(f"{where}.nonfinite_leaves must be a bool vector, got {leaves!r}")
@@ -270,8 +373,8 @@ def _check_loss_scale_state(node: Any, where: str) -> None:
 
 def _check_accumulation_state(node: Any, where: str) -> None:
   for field in ("mini_step", "gradient_step", "micro_step", "skipped_windows"):
-    counter(f"{where}.{field}", _concrete(getattr(node, field)))
-  flag(f"{where}.updated", _concrete(node.updated))
+    counter(f"{where}.{field}", scalar(f"{where}.{field}", getattr(node, field)))
+  flag(f"{where}.updated", scalar(f"{where}.updated", node.updated))
 
 
 def _concrete(x: Any) -> Any:
@@ -282,49 +385,57 @@ def _concrete(x: Any) -> Any:
 
 
 @jax.jit
-def _nonfinite_flags(leaves: list) -> jax.Array:
-  if not leaves:
-    return jnp.zeros([0], jnp.bool_)
-  return jnp.stack([jnp.logical_not(jnp.all(jnp.isfinite(x))) for x in leaves])
+def _bad_leaves(floats: list, moments: list) -> tuple[jax.Array, jax.Array]:
+  """Per leaf: whether it holds an inf or a nan; per second moment: whether it is negative."""
+  def flags(leaves, bad):
+    return jnp.stack([bad(x) for x in leaves]) if leaves else jnp.zeros([0], jnp.bool_)
+
+  return (flags(floats, lambda x: jnp.logical_not(jnp.all(jnp.isfinite(x)))),
+          flags(moments, lambda x: jnp.any(x < 0)))
 
 
-def _walk(tree: Any, prefix: str, floats: list, names: list) -> None:
-  """Checks the jaxamp and optax states inside ``tree``; collects the floating leaves to check."""
+def _walk(tree: Any, prefix: str, floats: list, moment: bool = False) -> None:
+  """Checks the jaxamp and optax states inside ``tree``.
+
+  Collects ``(path, leaf, is_second_moment)`` for the floating leaves, whose
+  values are checked on the device in one reduction.
+  """
   from jaxamp._src.state import AccumulationState, LossScaleState  # noqa: PLC0415
 
-  def is_checked(node: Any) -> bool:
-    return isinstance(node, (LossScaleState, AccumulationState)) or (
-        _is_named(node) and "count" in node._fields)
+  def is_state(node: Any) -> bool:
+    return _is_named(node) and bool(node._fields)
 
-  for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_checked)[0]:
+  for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
     where = prefix + _path(path).replace("<root>", "")
     if isinstance(node, LossScaleState):
       _check_loss_scale_state(node, where)
-      _walk(node.inner_state, where + ".inner_state", floats, names)
+      _walk(node.inner_state, where + ".inner_state", floats)
     elif isinstance(node, AccumulationState):
       _check_accumulation_state(node, where)
-      _walk(node.acc_grads, where + ".acc_grads", floats, names)
-      _walk(node.inner_state, where + ".inner_state", floats, names)
-    elif is_checked(node):
+      _walk(node.acc_grads, where + ".acc_grads", floats)
+      _walk(node.inner_state, where + ".inner_state", floats)
+    elif is_state(node):
       if isinstance(node, _INJECT_TYPES):
         for key, value in node.hyperparams.items():
-          if np.size(_concrete(value)) == 1 and key in NON_NEGATIVE:
-            hyperparam(f"{where}.hyperparams[{key!r}]", _concrete(value), key=key)
-      count = _concrete(node.count)
-      if np.size(count) == 1 and np.issubdtype(np.asarray(count).dtype, np.integer):
-        counter(f"{where}.count", count)
+          if key in RANGES:
+            _check_range(f"{where}.hyperparams[{key!r}]", key, value)
       for field in node._fields:
-        if field != "count":
-          _walk(getattr(node, field), f"{where}.{field}", floats, names)
+        value = getattr(node, field)
+        if field == "count":
+          _check_counts(f"{where}.count", value)
+        elif field in _UNBOUNDED_FLOATS:
+          continue
+        else:
+          if field in _BETA_FIELDS and np.ndim(_concrete(value)) == 0:
+            _check_range(f"{where}.{field}", field, value)
+          _walk(value, f"{where}.{field}", floats, moment or _is_second_moment(node, field))
     else:
       _concrete(node)  # refuses a traced state
-      last = path[-1] if path else None
-      field = getattr(last, "name", getattr(last, "key", None))
+      if isinstance(node, (int, float)) and not isinstance(node, bool):
+        node = np.asarray(node)  # a restored Python number, checked as an array is
       if (isinstance(node, (jax.Array, np.ndarray, np.generic))
-          and jnp.issubdtype(jnp.result_type(node), jnp.inexact)
-          and field not in _UNBOUNDED_FLOATS):
-        floats.append(node)
-        names.append(where)
+          and jnp.issubdtype(jnp.result_type(node), jnp.inexact)):
+        floats.append((where, node, moment))
 
 
 def validate_opt_state(opt_state: optax.OptState, template: Optional[optax.OptState] = None
@@ -334,21 +445,34 @@ def validate_opt_state(opt_state: optax.OptState, template: Optional[optax.OptSt
   Call it on a state restored with orbax (or any other way) before the first
   step: a bad value there would corrupt the parameters or stall the run
   silently. :func:`jaxamp.upgrade_opt_state` calls it on what it builds, and
-  the wrappers' ``load_state_dict`` on what they load. It checks:
+  the wrappers' ``load_state_dict`` on what they load, and the restore hook
+  of ``jaxamp.TrainState`` (``flax.serialization``) on what it restores.
+  It checks, with or without a template:
 
   * with ``template`` (e.g. ``tx.init(params)``): the same tree structure,
     leaf shapes and dtypes;
-  * every :class:`jaxamp.LossScaleState`: a positive, finite float32 scale
-    between the smallest normal float32 and the largest finite one;
-    counters in ``[0, 2**31 - 1]``; bool flags;
-  * every :class:`jaxamp.AccumulationState`: counters in range, a bool flag;
-  * every ``count`` field (optax's step counts): in ``[0, 2**31 - 1]``;
-  * the injected hyperparameters (``optax.inject_hyperparams``) that
-    PyTorch bounds below (``learning_rate``, ``momentum``, ``weight_decay``,
-    ``eps``...): not negative;
+  * every :class:`jaxamp.LossScaleState`: a scalar, positive, finite float32
+    scale between the smallest normal float32 and the largest finite one;
+    scalar counters in ``[0, 2**31 - 1]``; scalar bool flags;
+  * every :class:`jaxamp.AccumulationState`: scalar counters in range, a
+    scalar bool flag;
+  * every ``count`` field (optax's step counts): a scalar holding a whole
+    number in ``[0, 2**31 - 1]``, whatever its dtype;
+  * the second moments of the optimizers jaxamp knows by their state
+    (optax's ``nu``, ``nu_max``, ``sum_of_squares``, Adafactor's factors,
+    PyTorch's ``exp_avg_sq``, ``square_avg``, ``state_sum``...): not
+    negative;
+  * the injected hyperparameters (``optax.inject_hyperparams``) and the
+    betas of a state, in the form they are stored in: ``learning_rate``,
+    ``momentum``, ``weight_decay``, ``eps``... not negative; ``b1``, ``b2``
+    in ``[0, 1)``; the facade's ``one_minus_b1``, ``one_minus_b2`` in
+    ``(0, 1]``;
   * every other floating leaf (moments, accumulated gradients, injected
-    hyperparameters): finite, read in one reduction on the device (one host
-    sync). A recorded gradient norm (``total_norm``) may be inf or nan.
+    hyperparameters): finite. The values of the arrays are read in one
+    reduction on the device (one host sync). A recorded gradient norm
+    (``total_norm``) may be inf or nan;
+  * no loss scaler in a composition that cannot work (see
+    :func:`jaxamp.get_loss_scale_state`).
 
   Args:
     opt_state: the state to check (concrete arrays, not traced).
@@ -381,18 +505,30 @@ def validate_opt_state(opt_state: optax.OptState, template: Optional[optax.OptSt
                        f"another optimizer, or of other parameters): expected {ref_def}, got "
                        f"{treedef}")
     for (path, leaf), (_, ref) in zip(leaves, ref_leaves):
+      if not isinstance(leaf, jax.Array):
+        # A host value (a Python number, a numpy array as restored): checked as it will be
+        # stored, in the template's dtype (1e39 overflows a float32, 2.5 is no int32).
+        fits(f"state{_path(path)}", _concrete(leaf), jnp.result_type(ref))
       if jnp.shape(leaf) != jnp.shape(ref) or jnp.result_type(leaf) != jnp.result_type(ref):
         raise ValueError(f"state{_path(path)} must have shape {jnp.shape(ref)} and dtype "
                          f"{jnp.result_type(ref)}, got shape {jnp.shape(leaf)} and dtype "
                          f"{jnp.result_type(leaf)}")
 
+  from jaxamp._src import state as state_lib  # noqa: PLC0415 (state imports this module)
+  state_lib.check_compositions(opt_state)
   floats: list = []
-  names: list = []
-  _walk(opt_state, "state", floats, names)
+  _walk(opt_state, "state", floats)
   if floats:
-    bad = np.asarray(_nonfinite_flags(floats))
-    if bad.any():
-      first = [n for n, b in zip(names, bad) if b]
+    moments = [x for _, x, moment in floats if moment]
+    nonfinite, negative = jax.device_get(_bad_leaves([x for _, x, _ in floats], moments))
+    if nonfinite.any():
+      first = [where for (where, _, _), bad in zip(floats, nonfinite) if bad]
       raise ValueError(f"the optimizer state holds inf or nan at {first}: a state saved after "
                        "its run had diverged, or a corrupted checkpoint")
+    if negative.any():
+      names = [where for where, _, moment in floats if moment]
+      first = [where for where, bad in zip(names, negative) if bad]
+      raise ValueError(f"the optimizer state holds negative second moments at {first}: a mean "
+                       "of squares is never negative (a corrupted checkpoint, or first and "
+                       "second moments swapped in a conversion)")
   return opt_state

@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from jaxamp._src import outside
+from jaxamp._src import validation
 
 #: Default floor of the dynamic scale: the smallest normal float32. Far below any
 #: scale a real run reaches, it only stops the degenerate slide to 0.0.
@@ -202,15 +203,54 @@ def _child(node: Any, key: Any) -> Any:
   return children[key.key]
 
 
+#: Wrappers whose own state may sit around a loss scaler: it does not advance wrongly on a skipped
+#: step (see :func:`declare_state_around_scaler`).
+_AROUND_SCALER: set[type] = {AccumulationState, LowPrecisionState, optax.InjectHyperparamsState,
+                             optax.InjectStatefulHyperparamsState}
+
+
+def declare_state_around_scaler(cls: type) -> type:
+  """Declares that a wrapper whose state has type ``cls`` may hold a loss scaler inside.
+
+  Its own state must not go wrong on the steps the scaler skips: jaxamp's
+  accumulation counts them knowingly, the fp8 overwrite writes only the
+  applied steps, the low-precision rounding of a skipped step's zero updates
+  leaves the parameters and the compensation as they were, and
+  ``optax.inject_hyperparams``'s count drives only the schedules of the
+  injected values.
+  """
+  _AROUND_SCALER.add(cls)
+  return cls
+
+
+def _stateful_siblings(node: Any, key: Any) -> list:
+  """The entries of the container ``node`` other than ``key`` that hold state."""
+  if isinstance(key, jax.tree_util.SequenceKey):
+    return [i for i, sibling in enumerate(node) if i != key.idx and jax.tree.leaves(sibling)]
+  return [k for k, sibling in node.items() if k != key.key and jax.tree.leaves(sibling)]
+
+
+def _is_optax_wrapper(node: Any) -> bool:
+  """Whether ``node`` is the state of an optax transformation (a wrapper, when it holds another).
+
+  A user's own ``NamedTuple`` may hold two models' states side by side, as a
+  list may: only optax's types are taken for wrappers.
+  """
+  return (isinstance(node, tuple) and hasattr(node, "_fields")
+          and type(node).__module__.split(".")[0] == "optax")
+
+
 def _check_composition(opt_state: optax.OptState, path: Any) -> None:
   """Refuses the compositions around a loss scaler that cannot work (a trace-time check).
 
   ``path`` is the key path of the loss-scale state inside ``opt_state``. Raises
-  when it sits inside ``optax.MultiSteps`` or ``optax.apply_if_finite``, or in
-  an ``optax.chain`` beside a transformation that holds state.
+  when it sits inside ``optax.MultiSteps``, ``optax.apply_if_finite``,
+  ``optax.contrib.schedule_free`` or any other optax wrapper with state of
+  its own (which advances on the skipped steps), or in an ``optax.chain`` or
+  ``optax.partition`` beside a transformation that holds state.
   """
   node = opt_state
-  for key in path:
+  for i, key in enumerate(path):
     if isinstance(node, optax.MultiStepsState):
       raise ValueError(
           "optax.MultiSteps(jaxamp.dynamic_loss_scale(...)) cannot work: MultiSteps resets its "
@@ -225,8 +265,7 @@ def _check_composition(opt_state: optax.OptState, path: Any) -> None:
           "the scale never comes down from a value that overflows. The loss scaler already skips "
           "non-finite steps: use jaxamp.dynamic_loss_scale(inner) alone.")
     if type(node) is tuple and isinstance(key, jax.tree_util.SequenceKey):
-      stateful = [i for i, sibling in enumerate(node)
-                  if i != key.idx and jax.tree.leaves(sibling)]
+      stateful = _stateful_siblings(node, key)
       if stateful:
         where = "before" if stateful[0] < key.idx else "after"
         raise ValueError(
@@ -236,7 +275,58 @@ def _check_composition(opt_state: optax.OptState, path: Any) -> None:
             "(one inf poisons its state), one after it advances on the skipped steps. Put "
             "every stateful transformation inside the scaler: "
             "jaxamp.dynamic_loss_scale(optax.chain(...)).")
+    if isinstance(node, optax.MultiTransformState) and i + 1 < len(path):
+      stateful = _stateful_siblings(node.inner_states, path[i + 1])
+      if stateful:
+        raise ValueError(
+            "a loss scaler sits in optax.partition(...) (or multi_transform) beside a "
+            f"transformation that holds state (label {stateful[0]!r}): it sees the scaled "
+            "gradients, never unscaled, and advances on the skipped steps. Put the scaler "
+            "around the partition: jaxamp.dynamic_loss_scale(optax.partition(...)).")
+    if (_is_optax_wrapper(node) and type(node) not in _AROUND_SCALER
+        and isinstance(key, jax.tree_util.GetAttrKey)):
+      own = [f for f in node._fields if f != key.name and jax.tree.leaves(getattr(node, f))]
+      if own:
+        kind = type(node).__name__
+        if kind == "ScheduleFreeState":
+          raise ValueError(
+              "optax.contrib.schedule_free(jaxamp.dynamic_loss_scale(...)) cannot work: its "
+              "step count, weights and averaged iterate advance on the steps the scaler skips. "
+              "Put the scaler outside: jaxamp.dynamic_loss_scale(optax.contrib.schedule_free("
+              "inner, ...)).")
+        raise ValueError(
+            f"a loss scaler sits inside a transformation whose state ({kind}) holds state of "
+            f"its own ({', '.join(own)}): it advances on every update, the skipped ones "
+            "included. Put the loss scaler around that transformation: "
+            "jaxamp.dynamic_loss_scale(...) outermost.")
     node = _child(node, key)
+
+
+def _scaler_paths(opt_state: optax.OptState) -> list[tuple[Any, LossScaleState]]:
+  """``(key path, node)`` of every :class:`LossScaleState` in ``opt_state``, outermost first."""
+  found = jax.tree_util.tree_flatten_with_path(
+      opt_state, is_leaf=lambda n: isinstance(n, LossScaleState))[0]
+  return [(path, node) for path, node in found if isinstance(node, LossScaleState)]
+
+
+def check_compositions(opt_state: optax.OptState) -> None:
+  """Refuses every loss scaler in ``opt_state`` that sits in a composition that cannot work.
+
+  The check :func:`get_loss_scale_state` makes, for every loss scaler in the
+  state. jaxamp runs it where a whole state is first built or first updated:
+  ``TrainState.create`` and ``apply_gradients``, ``jaxamp.nnx.Optimizer``,
+  the mmengine-style wrappers, the transformations that wrap another
+  (:func:`accumulate_gradients`, :func:`overwrite_with_gradient`,
+  :func:`low_precision_params`), :func:`update_applied`,
+  :func:`skipped_steps`, :func:`keep_if_skipped` and
+  :func:`validate_opt_state`. A Python check on the tree structure; nothing
+  of it runs in the compiled step.
+
+  Raises:
+    ValueError: naming the composition and the one that works.
+  """
+  for path, _ in _scaler_paths(opt_state):
+    _check_composition(opt_state, path)
 
 
 def get_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
@@ -245,21 +335,21 @@ def get_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
   Every functional-core query of the scale goes through here (:func:`scale_loss`,
   :func:`loss_scale`, ``jaxamp.TrainState``, ``jaxamp.nnx.Optimizer``), so
   the compositions around the scaler that cannot work are refused here, at the
-  first trace: a scaler inside ``optax.MultiSteps`` or
-  ``optax.apply_if_finite``, or beside a stateful transformation in an
-  ``optax.chain``. A Python check on the tree structure; nothing of it runs in
-  the compiled step.
+  first trace (and where a state is first built or updated, see
+  :func:`check_compositions`): a scaler inside ``optax.MultiSteps``,
+  ``optax.apply_if_finite``, ``optax.contrib.schedule_free`` or any other
+  optax wrapper whose own state advances on the skipped steps, or beside a
+  stateful transformation in an ``optax.chain`` or ``optax.partition``. A
+  Python check on the tree structure; nothing of it runs in the compiled
+  step.
 
   Raises:
     ValueError: when ``opt_state`` holds no loss-scale state, or holds it in
       one of the compositions above (the message names the one that works).
   """
-  found = jax.tree_util.tree_flatten_with_path(
-      opt_state, is_leaf=lambda n: isinstance(n, LossScaleState))[0]
-  for path, node in found:
-    if isinstance(node, LossScaleState):
-      _check_composition(opt_state, path)
-      return node
+  for path, node in _scaler_paths(opt_state):
+    _check_composition(opt_state, path)
+    return node
   raise ValueError(
       "No loss-scale state found in the optimizer state (of type "
       f"{type(opt_state).__name__}). Build the optimizer with jaxamp.dynamic_loss_scale(...) "
@@ -395,6 +485,7 @@ def skipped_steps(opt_state: optax.OptState) -> jax.Array:
     >>> jaxamp.skipped_steps(state)
     Array(1, dtype=int32)
   """
+  check_compositions(opt_state)
   total = jnp.zeros([], jnp.int32)
   for node in find_states(opt_state, LossScaleState):
     total = total + jnp.asarray(node.skipped_steps, jnp.int32)
@@ -469,6 +560,11 @@ def keep_if_skipped(new: Any, old: Any, before: optax.OptState, after: optax.Opt
   Returns:
     ``new`` or ``old``, leaf by leaf in ``old``'s dtypes (no host sync).
 
+  Raises:
+    ValueError: ``new`` and ``old`` of other tree structures or leaf shapes
+      (the kept statistics would change shape), or a loss scaler in a
+      composition that cannot work (see :func:`check_compositions`).
+
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
     >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
@@ -478,6 +574,7 @@ def keep_if_skipped(new: Any, old: Any, before: optax.OptState, after: optax.Opt
     >>> jaxamp.keep_if_skipped(new_stats, stats, state, new_state)
     {'mean': Array([0., 0.], dtype=float32)}
   """
+  validation.check_shapes_like("new", new, "old", old)
   skipped = skipped_steps(after) != skipped_steps(before)
   finite = jnp.array(True)
   for leaf in jax.tree.leaves(new):

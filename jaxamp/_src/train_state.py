@@ -9,10 +9,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxamp._src import fp8
 from jaxamp._src import sharding
+from jaxamp._src import outside
 from jaxamp._src import state as state_lib
 from jaxamp._src import validation
 
@@ -114,12 +116,16 @@ class TrainState:
 
     Raises:
       TypeError: when ``tx`` is not an optax transformation.
+      ValueError: when ``tx`` holds a loss scaler in a composition that
+        cannot work (see :func:`jaxamp.get_loss_scale_state`).
     """
     if not validation.is_gradient_transformation(tx):
       raise TypeError(f"tx must be an optax GradientTransformation, got {tx!r}")
     _make_pytree(cls)
+    opt_state = _with_fp8(tx, params).init(params)
+    state_lib.check_compositions(opt_state)
     return cls(step=jnp.zeros([], jnp.int32), apply_fn=apply_fn, params=params, tx=tx,
-               opt_state=_with_fp8(tx, params).init(params), **kwargs)
+               opt_state=opt_state, **kwargs)
 
   def value_and_grad(self, fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False,
                      axis_name: Any = None) -> Callable[..., tuple[Any, Any]]:
@@ -172,9 +178,20 @@ class TrainState:
 
     Returns:
       The new state.
+
+    Raises:
+      ValueError: gradients of another tree structure or leaf shape than
+        ``params`` (a gradient of shape ``(1,)`` would otherwise step every
+        element of its parameter; extra leading, per-example axes are
+        accepted when ``tx`` reduces them), or updates of another shape,
+        named by the leaf.
     """
+    validation.check_shapes_like("the gradients", grads, "the parameters", self.params,
+                                 leading=True)
     updates, opt_state = _with_fp8(self.tx, self.params).update(grads, self.opt_state,
                                                                  self.params)
+    validation.check_shapes_like("the updates", fp8.split(updates)[0], "the parameters",
+                                 fp8.split(self.params)[0])
     with state_lib.promotion_for_updates(opt_state):
       params = fp8.apply_updates(self.params, updates)
     applied = state_lib.update_applied(self.opt_state, opt_state)
@@ -244,14 +261,39 @@ def _to_state_dict(state: Any) -> dict:
   return {name: serialization.to_state_dict(getattr(state, name)) for name in _data_fields(state)}
 
 
+def _held_like(value: Any, target: Any) -> Any:
+  """A restored (checked) leaf as the target's leaf is held: a JAX array of its dtype and sharding.
+
+  ``flax.serialization`` restores numpy arrays and Python numbers; a numpy
+  scalar in the optimizer state would be a constant of the traced update.
+  """
+  if isinstance(value, jax.Array) or not isinstance(target, jax.Array):
+    return value
+  return jax.device_put(np.asarray(value, target.dtype), target.sharding)
+
+
 def _from_state_dict(target: Any, state_dict: dict) -> Any:
+  """The restore hook of ``flax.serialization``: ``target`` with the values of ``state_dict``.
+
+  What it restores is checked as every state from outside is: ``step`` a
+  whole number in an int32, ``opt_state`` with :func:`jaxamp.validate_opt_state`
+  against the target's (a restored scale of nan would skip every later step),
+  and held as the target holds it (see :func:`_held_like`). Under a trace
+  (abstract values) only the structure is restored.
+  """
   serialization = _flax_serialization()
   missing = [name for name in _data_fields(target) if name not in state_dict]
   if missing:
     raise ValueError(f"the state dict of {type(target).__name__} lacks the fields {missing}")
-  return target.replace(**{name: serialization.from_state_dict(getattr(target, name),
-                                                               state_dict[name], name=name)
-                           for name in _data_fields(target)})
+  restored = {name: serialization.from_state_dict(getattr(target, name), state_dict[name],
+                                                  name=name)
+              for name in _data_fields(target)}
+  if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(restored)):
+    outside.counter("step", outside.scalar("step", restored["step"]))
+    outside.validate_opt_state(restored["opt_state"], target.opt_state)
+    for name in ("step", "opt_state"):
+      restored[name] = jax.tree.map(_held_like, restored[name], getattr(target, name))
+  return target.replace(**restored)
 
 
 _make_pytree(TrainState)

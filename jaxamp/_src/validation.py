@@ -191,8 +191,11 @@ def check_float_dtype(name: str, dtype: Any, *, allow_none: bool = False) -> Opt
     ValueError: a dtype that is not floating-point (complex included).
   """
   accepted = "None or a floating-point dtype" if allow_none else "a floating-point dtype"
-  if dtype is None and allow_none:
-    return None
+  if dtype is None:
+    if allow_none:
+      return None
+    # jnp.dtype(None) is float64: say what came.
+    raise TypeError(f"{name} must be {accepted} (a dtype or a dtype name), got None")
   try:
     out = jnp.dtype(dtype)
   except TypeError:
@@ -211,3 +214,45 @@ def is_inexact(x: Any) -> bool:
 def is_array(x: Any) -> bool:
   """Whether ``x`` is a JAX or numpy array (or numpy scalar)."""
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def check_shapes_like(what: str, tree: Any, like_what: str, like: Any, *,
+                      leading: bool = False) -> None:
+  """Refuses ``tree`` unless it has ``like``'s tree structure and, leaf by leaf, its shapes.
+
+  Where two trees are combined leaf by leaf (gradients and parameters, new
+  and old statistics), a leaf of another shape would broadcast silently: a
+  gradient of shape ``(1,)`` would step every element of its parameter. A
+  trace-time check (shapes are static).
+
+  Args:
+    what: what ``tree`` is, for the message (``"the gradients"``).
+    tree: the tree to check.
+    like_what: what ``like`` is (``"the parameters"``).
+    like: the reference tree.
+    leading: also accept leaves with extra leading axes (per-example
+      gradients, which transformations such as
+      ``optax.contrib.differentially_private_aggregate`` take).
+
+  Raises:
+    ValueError: another tree structure, or a leaf of another shape (named by
+      its path).
+
+  Examples:
+    >>> check_shapes_like("the gradients", {'w': np.ones(1)}, "the parameters", {'w': np.ones(2)})
+    Traceback (most recent call last):
+    ...
+    ValueError: the gradients leaf ['w'] has shape (1,), the parameters (2,): ...
+  """
+  treedef: Any = jax.tree.structure(tree)
+  like_def: Any = jax.tree.structure(like)
+  if treedef != like_def:
+    raise ValueError(f"{what} must have the tree structure of {like_what}: got {treedef}, "
+                     f"expected {like_def}")
+  for (path, leaf), ref in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(like)):
+    shape, ref_shape = tuple(jnp.shape(leaf)), tuple(jnp.shape(ref))
+    extra = len(shape) - len(ref_shape)
+    if shape != ref_shape and not (leading and extra > 0 and shape[extra:] == ref_shape):
+      raise ValueError(f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}, "
+                       f"{like_what} {ref_shape}: a leaf of another shape would be broadcast "
+                       "silently")

@@ -53,6 +53,9 @@ class TestOptimWrapper:
 
   def test_init(self):
     optim_wrapper = self._wrapper()
+    # mmengine: `optim_wrapper.optimizer is self.optimizer`. An optax transformation is an
+    # immutable pair of functions without the `param_groups` that mmengine's schedulers and hooks
+    # read from `optim_wrapper.optimizer`: that is a view carrying them (docs/porting.md).
     assert optim_wrapper.optimizer.transformation is self.optimizer
     assert optim_wrapper.clip_grad_kwargs is None
     assert optim_wrapper._accumulative_counts == 1
@@ -233,7 +236,7 @@ class TestOptimWrapper:
 
   def _mock_method(self, optim_wrapper):
 
-    def mock_methd(loss, *args, **kwargs):
+    def mock_methd(loss):
       optim_wrapper._inner_count += 1
       optim_wrapper.scaled_loss = loss
 

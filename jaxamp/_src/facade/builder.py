@@ -213,6 +213,23 @@ def _optimizer_kind(optimizer_cfg: Mapping[str, Any]) -> Any:
                    "an optax factory such as optax.adamw")
 
 
+def _check_injected(cfg: Mapping[str, Any]) -> None:
+  """The floating arguments of an optax factory, checked as ``inject_hyperparams`` stores them.
+
+  A float is stored as a JAX array of its canonical dtype (a Python float as
+  a float32 without ``jax_enable_x64``): it must be finite there, and in the
+  range :data:`jaxamp._src.outside.RANGES` gives its name (``learning_rate``
+  not negative, ``b1`` in ``[0, 1)``...), as a later write must.
+  """
+  for key, value in cfg.items():
+    if isinstance(value, (bool, np.bool_)) or not (
+        isinstance(value, float) or (validation.is_array(value) and np.ndim(value) == 0
+                                     and jnp.issubdtype(jnp.result_type(value), jnp.floating))):
+      continue  # schedules, masks, flags and integers: the factory checks them
+    dtype = jax.dtypes.canonicalize_dtype(np.asarray(value).dtype)
+    outside.hyperparam(key, value, dtype=dtype)
+
+
 def _build_optimizer(params: Any, optimizer_cfg: Mapping[str, Any], paramwise_cfg: Any):
   """Returns ``(transformation, groups, defaults, torch_like)`` (groups: ``GroupSpec``s if torch_like)."""
   if not isinstance(optimizer_cfg, Mapping):
@@ -246,6 +263,8 @@ def _build_optimizer(params: Any, optimizer_cfg: Mapping[str, Any], paramwise_cf
     hp = {k: v for k, v in override.items() if k not in ("lr_mult", "decay_mult")}
     extras = {k: v for k, v in override.items() if k in ("lr_mult", "decay_mult")}
     group_cfg = kind.resolve(dict(cfg, **hp)) if torch_like else dict(cfg, **hp)
+    if not torch_like:
+      _check_injected(group_cfg)
     transforms.append(kind.build(group_cfg) if torch_like
                       else optax.inject_hyperparams(kind)(**group_cfg))
     group_names = [n for n, label in zip(names, labels) if label == index]

@@ -4,7 +4,10 @@
 in its state, so they can change without a recompilation. A
 :class:`HyperparamCodec` maps a PyTorch name (``'lr'``, ``'betas'``) onto
 those state keys (``learning_rate``; ``b1`` and ``b2``, or their complements
-``1 - beta``); :func:`with_hyperparam` writes a value through one.
+``1 - beta``); :func:`with_hyperparam` writes a value through one, after
+checking it as PyTorch's constructor does and then as it will be stored
+(:func:`stored_values`: finite in the dtype the state holds it in, and in
+range there).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -39,19 +42,29 @@ class HyperparamCodec:
 
   Attributes:
     keys: the keys of ``InjectHyperparamsState.hyperparams`` holding it.
-    encode: PyTorch value -> tuple of floats for ``keys`` (checked: finite,
-      in PyTorch's range, see :func:`jaxamp._src.outside.hyperparam`).
+    labels: how messages name the value stored under each key (``'lr'``,
+      ``'1 - betas[0]'``).
+    encode: PyTorch value -> tuple of floats for ``keys`` (checked: a real
+      number in PyTorch's range, see :func:`jaxamp._src.outside.hyperparam`;
+      :func:`stored_values` checks them as stored).
     decode: tuple of floats read from ``keys`` -> PyTorch value.
   """
 
   keys: Tuple[str, ...]
+  labels: Tuple[str, ...]
   encode: Callable[[Any], Tuple[float, ...]]
   decode: Callable[[Tuple[float, ...]], Any]
 
 
-def identity_codec(key: str) -> HyperparamCodec:
-  """The hyperparameter stored as it is under ``key``."""
-  return HyperparamCodec((key,), lambda v: (outside.hyperparam(key, v),), lambda t: t[0])
+def _user(name: str, value: Any, key: str) -> float:
+  """``value`` checked in the form the user writes it (as a float64, before it is stored)."""
+  return outside.hyperparam(name, value, key=key, dtype=np.float64)
+
+
+def identity_codec(key: str, name: str = "") -> HyperparamCodec:
+  """The hyperparameter stored as it is under ``key``; ``name`` (default ``key``) in messages."""
+  name = name or key
+  return HyperparamCodec((key,), (name,), lambda v: (_user(name, v, key),), lambda t: t[0])
 
 
 def pair_codec(name: str, keys: Tuple[str, str], complement: bool) -> HyperparamCodec:
@@ -59,19 +72,37 @@ def pair_codec(name: str, keys: Tuple[str, str], complement: bool) -> Hyperparam
   def encode(v):
     if not isinstance(v, (tuple, list)) or len(v) != 2:
       raise TypeError(f"{name} must be a pair of numbers, got {v!r}")
-    a, b = outside.hyperparam(f"{name}[0]", v[0]), outside.hyperparam(f"{name}[1]", v[1])
+    a, b = _user(f"{name}[0]", v[0], f"{name}[0]"), _user(f"{name}[1]", v[1], f"{name}[1]")
     return (1.0 - a, 1.0 - b) if complement else (a, b)
 
   def decode(t):
     return (1.0 - t[0], 1.0 - t[1]) if complement else (t[0], t[1])
 
-  return HyperparamCodec(keys, encode, decode)
+  prefix = "1 - " if complement else ""
+  return HyperparamCodec(keys, (f"{prefix}{name}[0]", f"{prefix}{name}[1]"), encode, decode)
 
 
 def complement_codec(key: str, name: str) -> HyperparamCodec:
   """A number (``alpha``) stored as ``1 - value`` under ``key``."""
-  return HyperparamCodec((key,), lambda v: (1.0 - outside.hyperparam(name, v),),
+  return HyperparamCodec((key,), (f"1 - {name}",), lambda v: (1.0 - _user(name, v, name),),
                          lambda t: 1.0 - t[0])
+
+
+def stored_values(codec: HyperparamCodec, value: Any, dtypes: Sequence[Any]) -> List[np.ndarray]:
+  """``value`` encoded for ``codec.keys``, each checked and cast as stored in its dtype.
+
+  The one rule of every write (constructor, setter, loader): the PyTorch
+  value is checked as the user writes it (``encode``), then each stored
+  value in the dtype the state holds it in (finite there, within the range
+  of its key: a ``1e39`` learning rate is an infinite float32).
+
+  Raises:
+    TypeError: not a real number (or not a pair, for ``betas``).
+    ValueError: out of range as written or as stored.
+  """
+  encoded = codec.encode(value)
+  return [np.asarray(outside.hyperparam(label, v, key=k, dtype=dtype), dtype)
+          for label, k, v, dtype in zip(codec.labels, codec.keys, encoded, dtypes)]
 
 
 def generic_codecs(hyperparams: Mapping[str, Any]) -> Dict[str, HyperparamCodec]:
@@ -81,9 +112,11 @@ def generic_codecs(hyperparams: Mapping[str, Any]) -> Dict[str, HyperparamCodec]
   scalar hyperparameters keep their optax names.
   """
   betas = "b1" in hyperparams and "b2" in hyperparams
-  codecs = {"lr" if key == "learning_rate" else key: identity_codec(key)
-            for key, value in hyperparams.items()
-            if jnp.shape(value) == () and not (betas and key in ("b1", "b2"))}
+  codecs = {}
+  for key, value in hyperparams.items():
+    if jnp.shape(value) == () and not (betas and key in ("b1", "b2")):
+      name = "lr" if key == "learning_rate" else key
+      codecs[name] = identity_codec(key, name)
   if betas:
     codecs["betas"] = pair_codec("betas", ("b1", "b2"), complement=False)
   return codecs
@@ -107,12 +140,12 @@ def with_hyperparam(opt_state: Any, index: int, codec: HyperparamCodec, value: A
   Each array keeps its dtype and sharding, so the next step does not compile
   again.
   """
-  encoded = codec.encode(value)
   leaves, treedef = jax.tree.flatten(opt_state, is_leaf=_is_inject)
   position = [i for i, x in enumerate(leaves) if _is_inject(x)][index]
   hyperparams = dict(leaves[position].hyperparams)
-  for k, v in zip(codec.keys, encoded):
-    old = hyperparams[k]
-    hyperparams[k] = jax.device_put(np.asarray(v, dtype=old.dtype), old.sharding)
+  olds = [hyperparams[k] for k in codec.keys]
+  stored = stored_values(codec, value, [old.dtype for old in olds])
+  for k, v, old in zip(codec.keys, stored, olds):
+    hyperparams[k] = jax.device_put(v, old.sharding)
   leaves[position] = leaves[position]._replace(hyperparams=hyperparams)
   return jax.tree.unflatten(treedef, leaves)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp._src import outside
 from jaxamp._src import validation
 from jaxamp._src.facade import hyperparam_codecs as hp
 
@@ -267,6 +268,9 @@ def torch_adagrad(learning_rate, lr_decay, weight_decay, eps, initial_accumulato
 
 _IGNORED = ("foreach", "differentiable", "fused", "capturable")
 
+#: The dtype of the injected hyperparameters in the state.
+STATE_DTYPE = jnp.float32
+
 
 # PyTorch's range checks of the arguments that must be >= 0, in the order they run, with the names
 # its messages give them.
@@ -319,7 +323,13 @@ class TorchOptimizer:
     return sorted(list(self.defaults) + list(_IGNORED))
 
   def resolve(self, cfg: Mapping[str, Any]) -> dict:
-    """PyTorch's defaults updated with ``cfg``, type-checked and range-checked."""
+    """PyTorch's defaults updated with ``cfg``, type-checked and range-checked.
+
+    PyTorch's own checks (and messages) come first; then every value is
+    checked as the state will hold it (:func:`.hyperparam_codecs.stored_values`):
+    finite in float32 (PyTorch accepts ``lr=1e39``, an infinite float32, and
+    ``dampening=nan``, which it never checks), in range once rounded.
+    """
     out = dict(self.defaults)
     for key, value in cfg.items():
       if key in _IGNORED:
@@ -337,18 +347,22 @@ class TorchOptimizer:
       else:
         out[key] = validation.check_real(key, value)
     _check(out)
+    for key, codec in self.codecs(out).items():
+      hp.stored_values(codec, out[key], [STATE_DTYPE] * len(codec.keys))
+    if "initial_accumulator_value" in out:  # the accumulator's first value
+      outside.hyperparam("initial_accumulator_value", out["initial_accumulator_value"])
     return out
 
 
 def _sgd_build(c: dict) -> optax.GradientTransformation:
-  return optax.inject_hyperparams(torch_sgd, hyperparam_dtype=jnp.float32)(
+  return optax.inject_hyperparams(torch_sgd, hyperparam_dtype=STATE_DTYPE)(
       learning_rate=c["lr"], momentum=c["momentum"], dampening=c["dampening"],
       weight_decay=c["weight_decay"], nesterov=c["nesterov"], maximize=c["maximize"],
       buffered=c["momentum"] != 0)
 
 
 def _sgd_codecs(c: dict) -> Dict[str, hp.HyperparamCodec]:
-  codecs = {"lr": hp.identity_codec("learning_rate"),
+  codecs = {"lr": hp.identity_codec("learning_rate", "lr"),
             "dampening": hp.identity_codec("dampening"),
             "weight_decay": hp.identity_codec("weight_decay")}
   if c["momentum"] != 0:
@@ -358,7 +372,7 @@ def _sgd_codecs(c: dict) -> Dict[str, hp.HyperparamCodec]:
 
 def _adam_build(decoupled: bool) -> Callable[[dict], optax.GradientTransformation]:
   def build(c: dict) -> optax.GradientTransformation:
-    return optax.inject_hyperparams(torch_adam, hyperparam_dtype=jnp.float32)(
+    return optax.inject_hyperparams(torch_adam, hyperparam_dtype=STATE_DTYPE)(
         learning_rate=c["lr"], one_minus_b1=1.0 - c["betas"][0], one_minus_b2=1.0 - c["betas"][1],
         eps=c["eps"], weight_decay=c["weight_decay"], amsgrad=c["amsgrad"],
         maximize=c["maximize"], decoupled=decoupled or c.get("decoupled_weight_decay", False))
@@ -368,7 +382,7 @@ def _adam_build(decoupled: bool) -> Callable[[dict], optax.GradientTransformatio
 
 def _adam_codecs(c: dict) -> Dict[str, hp.HyperparamCodec]:
   del c
-  return {"lr": hp.identity_codec("learning_rate"),
+  return {"lr": hp.identity_codec("learning_rate", "lr"),
           "betas": hp.pair_codec(
               "betas", ("one_minus_b1", "one_minus_b2"), complement=True),
           "eps": hp.identity_codec("eps"),
@@ -376,14 +390,14 @@ def _adam_codecs(c: dict) -> Dict[str, hp.HyperparamCodec]:
 
 
 def _rmsprop_build(c: dict) -> optax.GradientTransformation:
-  return optax.inject_hyperparams(torch_rmsprop, hyperparam_dtype=jnp.float32)(
+  return optax.inject_hyperparams(torch_rmsprop, hyperparam_dtype=STATE_DTYPE)(
       learning_rate=c["lr"], one_minus_alpha=1.0 - c["alpha"], eps=c["eps"],
       weight_decay=c["weight_decay"], momentum=c["momentum"], centered=c["centered"],
       maximize=c["maximize"], buffered=c["momentum"] > 0)
 
 
 def _rmsprop_codecs(c: dict) -> Dict[str, hp.HyperparamCodec]:
-  codecs = {"lr": hp.identity_codec("learning_rate"),
+  codecs = {"lr": hp.identity_codec("learning_rate", "lr"),
             "alpha": hp.complement_codec("one_minus_alpha", "alpha"),
             "eps": hp.identity_codec("eps"),
             "weight_decay": hp.identity_codec("weight_decay")}
@@ -394,7 +408,7 @@ def _rmsprop_codecs(c: dict) -> Dict[str, hp.HyperparamCodec]:
 
 def _adagrad_build(c: dict) -> optax.GradientTransformation:
   return optax.inject_hyperparams(torch_adagrad, static_args=("initial_accumulator_value",),
-                                  hyperparam_dtype=jnp.float32)(
+                                  hyperparam_dtype=STATE_DTYPE)(
       learning_rate=c["lr"], lr_decay=c["lr_decay"], weight_decay=c["weight_decay"],
       eps=c["eps"], initial_accumulator_value=c["initial_accumulator_value"],
       maximize=c["maximize"])
@@ -402,7 +416,7 @@ def _adagrad_build(c: dict) -> optax.GradientTransformation:
 
 def _adagrad_codecs(c: dict) -> Dict[str, hp.HyperparamCodec]:
   del c
-  return {"lr": hp.identity_codec("learning_rate"),
+  return {"lr": hp.identity_codec("learning_rate", "lr"),
           "lr_decay": hp.identity_codec("lr_decay"),
           "weight_decay": hp.identity_codec("weight_decay"),
           "eps": hp.identity_codec("eps")}

@@ -250,7 +250,9 @@ class OptimWrapper:
 
   def _init_state(self, params: Any) -> Any:
     # Flax's fp8 state is overwritten by the step, never given to the optimizer (fp8.py).
-    return sharding_pins.replicate_scalars(self._tx.init(fp8.split(params)[0]), params)
+    state = self._tx.init(fp8.split(params)[0])
+    state_lib.check_compositions(state)
+    return sharding_pins.replicate_scalars(state, params)
 
   def _build_transformation(self) -> optax.GradientTransformation:
     """``chain(clip, optimizer)`` (or ``optimizer``), the optimizer's state marked by type."""
@@ -622,8 +624,10 @@ class OptimWrapper:
     As mmengine: ``self.backward(self.scale_loss(loss_fn), ...)``, then,
     when :meth:`should_update` is true, ``self.step()`` and
     ``self.zero_grad()``, so a subclass (or an instance) overriding any of
-    them sees its override called. When none is overridden, the three run as
-    one jitted call.
+    them sees its override called (``has_aux`` is passed on to ``backward``
+    only when true, so that an override written for mmengine's
+    ``backward(loss)`` works). When none is overridden, the three run as one
+    jitted call.
 
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs)`` returns a scalar loss
@@ -656,7 +660,9 @@ class OptimWrapper:
       self._commit_step(params, state, norm)
       self.zero_grad(**zero_kwargs)
       return out
-    out = self.backward(self.scale_loss(loss_fn), *args, has_aux=has_aux, **kwargs)
+    if has_aux:  # only when set: mmengine calls backward(loss), and overrides take no more
+      kwargs = dict(kwargs, has_aux=True)
+    out = self.backward(self.scale_loss(loss_fn), *args, **kwargs)
     if self.should_update():
       self.step(**step_kwargs)
       self.zero_grad(**zero_kwargs)
@@ -704,11 +710,11 @@ class OptimWrapper:
     return pg.read_hyperparam(self._group_specs()[index], hc.inject_nodes(self.opt_state)[index],
                               key)
 
-  def _write_hyperparam(self, index: int, key: str, value: Any) -> None:
-    codec = self._group_specs()[index].codecs[key]
-    opt_state = hc.with_hyperparam(self.opt_state, index, codec, value)
+  def _write_hyperparams(self, index: int, values: Dict[str, Any]) -> None:
+    spec = self._group_specs()[index]
+    opt_state = pg.with_values(self.opt_state, index, spec, values, f"param_groups[{index}]")
     self._state = self._with_opt(self._state, opt_state)
-    self._group_specs()[index].mirror[key] = value
+    spec.mirror.update(values)
 
   def _optimizer_groups(self) -> List[pg.ParamGroup]:
     return [pg.ParamGroup(self, i) for i in range(len(self._group_specs()))]

@@ -46,7 +46,7 @@ class GroupOwner(Protocol):
 
   def _read_hyperparam(self, index: int, key: str) -> Any: ...
 
-  def _write_hyperparam(self, index: int, key: str, value: Any) -> None: ...
+  def _write_hyperparams(self, index: int, values: Dict[str, Any]) -> None: ...
 
 
 # PyTorch's hyperparameters that mmengine's parameter schedulers write: stored as a plain entry, a
@@ -63,9 +63,30 @@ def _refuse_unheld(where: str, key: str) -> None:
         "learning_rate=0.1), or with jaxamp.build_optim_wrapper, to make it settable.")
 
 
+def _is_fixed(value: Any, fixed: Any) -> bool:
+  """Whether ``value`` is the value a code-selecting key was built with (a scalar equal to it)."""
+  return np.ndim(value) == 0 and bool(value == fixed)
+
+
 def _named(where: str, err: Exception) -> Exception:
   """``err`` of the same type, its message prefixed with where the value was written."""
   return type(err)(f"{where}: {err}")
+
+
+def with_values(opt_state: Any, index: int, spec: GroupSpec, values: Mapping[str, Any],
+                where: str) -> Any:
+  """``opt_state`` with the hyperparameters ``values`` (PyTorch names) written into group ``index``.
+
+  Each value is checked as written and as stored (:func:`.hyperparam_codecs.stored_values`);
+  an error is prefixed with ``where[key]`` (``where``: ``"param_groups[0]"``, say). Nothing is
+  changed: the caller installs the returned state once every value passed.
+  """
+  for key, value in values.items():
+    try:
+      opt_state = with_hyperparam(opt_state, index, spec.codecs[key], value)
+    except (TypeError, ValueError) as err:
+      raise _named(f"{where}[{key!r}]", err) from None
+  return opt_state
 
 
 class ParamGroup(MutableMapping):
@@ -96,25 +117,62 @@ class ParamGroup(MutableMapping):
       return spec.fixed[key]
     return spec.extras[key]
 
+  def _where(self, key: str) -> str:
+    return f"param_groups[{self._index}][{key!r}]"
+
   def __setitem__(self, key: str, value: Any) -> None:
+    self.update({key: value})
+
+  def update(self, other: Any = (), /, **kwargs: Any) -> None:
+    """Sets several entries at once: every value is checked before any is written.
+
+    A refused value (a beta out of range beside a new learning rate, say)
+    leaves the group as it was, as every other refused write does.
+    """
+    items = dict(other, **kwargs)
     spec = self._spec
-    if key == "params":
-      raise ValueError("The 'params' of a parameter group cannot be changed; build a new wrapper.")
-    if key in spec.codecs:
-      try:
-        self._owner._write_hyperparam(self._index, key, value)  # noqa: SLF001
-      except (TypeError, ValueError) as err:
-        raise _named(f"param_groups[{self._index}][{key!r}]", err) from None
-    elif key in spec.fixed:
-      if value != spec.fixed[key]:
-        raise ValueError(f"{key!r} selects code and is fixed at construction "
-                         f"(it is {spec.fixed[key]!r}); build a new wrapper to change it.")
-    else:
-      _refuse_unheld(f"param_groups[{self._index}][{key!r}]", key)
-      spec.extras[key] = value
+    hyperparams, extras = {}, {}
+    for key, value in items.items():
+      if key == "params":
+        raise ValueError("The 'params' of a parameter group cannot be changed; build a new "
+                         "wrapper.")
+      if key in spec.codecs:
+        hyperparams[key] = value
+      elif key in spec.fixed:
+        if not _is_fixed(value, spec.fixed[key]):
+          raise ValueError(f"{key!r} selects code and is fixed at construction "
+                           f"(it is {spec.fixed[key]!r}); build a new wrapper to change it.")
+      else:
+        _refuse_unheld(self._where(key), key)
+        extras[key] = value
+    if hyperparams:
+      self._owner._write_hyperparams(self._index, hyperparams)  # noqa: SLF001
+    spec.extras.update(extras)
 
   def __delitem__(self, key: str) -> None:
-    del self._spec.extras[key]
+    spec = self._spec
+    if key == "params" or key in spec.codecs or key in spec.fixed:
+      held = ("names the group's parameters" if key == "params" else
+              "is held in the optimizer state" if key in spec.codecs else
+              "selects code and is fixed at construction")
+      raise ValueError(f"{self._where(key)} cannot be deleted: it {held}. Set it to another "
+                       "value instead, or build a new wrapper.")
+    if key not in spec.extras:
+      raise KeyError(f"param_groups[{self._index}] has no key {key!r}; it holds {list(self)}")
+    del spec.extras[key]
+
+  def popitem(self) -> Tuple[str, Any]:
+    """Removes and returns the last entry that is neither ``'params'`` nor a hyperparameter."""
+    extras = self._spec.extras
+    if not extras:
+      raise KeyError(f"popitem(): param_groups[{self._index}] holds only its 'params' and "
+                     "hyperparameters, which cannot be deleted")
+    return extras.popitem()
+
+  def clear(self) -> None:
+    """Refused: a group's ``'params'`` and hyperparameters cannot be deleted."""
+    raise ValueError(f"param_groups[{self._index}].clear(): its 'params' and hyperparameters "
+                     "cannot be deleted; delete the other keys one by one")
 
   def __iter__(self) -> Iterator[str]:
     spec = self._spec
@@ -153,7 +211,8 @@ def load_groups(groups: Any, specs: List[GroupSpec], opt_state: Any
 
   Returns ``opt_state`` with the saved hyperparameters in it, and the
   function that records the rest in ``specs`` (the Python values written,
-  extra keys such as ``initial_lr``). Nothing is changed before that
+  extra keys such as ``initial_lr``, which replace the group's: a key the
+  saved group lacks is gone, as in PyTorch). Nothing is changed before that
   function is called, so a bad group leaves the wrapper as it was.
 
   Raises:
@@ -183,13 +242,11 @@ def load_groups(groups: Any, specs: List[GroupSpec], opt_state: Any
       if key == "params":
         continue
       if key in spec.codecs:
-        try:
-          opt_state = with_hyperparam(opt_state, index, spec.codecs[key], value)
-        except (TypeError, ValueError) as err:
-          raise _named(f"state_dict['param_groups'][{index}][{key!r}]", err) from None
+        opt_state = with_values(opt_state, index, spec, {key: value},
+                                f"state_dict['param_groups'][{index}]")
         writes.append((index, key, value))
       elif key in spec.fixed:
-        if value != spec.fixed[key]:
+        if not _is_fixed(value, spec.fixed[key]):
           raise ValueError(f"param_groups[{index}][{key!r}] is {value!r} but this optimizer "
                            f"was built with {spec.fixed[key]!r}: a state of a different "
                            "optimizer")
@@ -202,6 +259,8 @@ def load_groups(groups: Any, specs: List[GroupSpec], opt_state: Any
     for index, key, value in writes:
       specs[index].mirror[key] = value
     for spec, group_extras in zip(specs, extras):
+      # The loaded group replaces the old one, as in PyTorch: a key it lacks is gone.
+      spec.extras.clear()
       spec.extras.update(group_extras)
 
   return opt_state, commit
