@@ -9,8 +9,9 @@ mode and variant, the median over the repeats of each commit's ratio and the
 new commit's ratio over the old one's (below 1: faster than before). It is a
 benchmark, not a test: it fails nothing, it prints.
 
-Run: ``python benchmarks/compare_commits.py OLD [NEW] [--repeats 2] [--json PATH] -- [sweep
-arguments, e.g. --grid issue --modes given --rounds 5]``. ``NEW`` defaults to the working tree.
+Run: ``python benchmarks/compare_commits.py OLD [NEW] [--repeats 2] [--lock PATH] [--json PATH]
+-- [sweep arguments, e.g. --grid issue --modes given --rounds 5]``. ``NEW`` defaults to the
+working tree.
 """
 
 from __future__ import annotations
@@ -41,10 +42,13 @@ def export(commit: str, into: str) -> str:
   return into
 
 
-def run_sweep(jaxamp_dir: Optional[str], sweep_args: Sequence[str], out: str) -> Dict[str, Any]:
+def run_sweep(jaxamp_dir: Optional[str], sweep_args: Sequence[str], out: str,
+              lock: Optional[str] = None) -> Dict[str, Any]:
   command = [sys.executable, SWEEP, *sweep_args, "--json", out]
   if jaxamp_dir is not None:
     command += ["--jaxamp", jaxamp_dir]
+  if lock is not None:
+    command = ["flock", lock, *command]
   subprocess.run(command, check=True)
   with open(out) as f:
     return json.load(f)["runs"][0]
@@ -91,6 +95,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
                       help="the commit to compare (default: the working tree)")
   parser.add_argument("--repeats", type=int, default=2, help="runs of the sweep per commit")
   parser.add_argument("--json", metavar="PATH", help="also write every run and the comparison")
+  parser.add_argument("--lock", metavar="PATH",
+                      help="hold an exclusive flock on PATH around each run of the sweep (so that "
+                           "timing runs on a shared machine take turns)")
   args = parser.parse_args(argv)
 
   with tempfile.TemporaryDirectory(prefix="jaxamp-compare-") as tmp:
@@ -110,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
               f"({args.old if side == 'old' else args.new or 'working tree'})", flush=True)
         directory = sides["old"] if side == "old" else new_dir
         runs[side].append(run_sweep(directory, sweep_args,
-                                    os.path.join(tmp, f"{side}-{repeat}.json")))
+                                    os.path.join(tmp, f"{side}-{repeat}.json"), args.lock))
   rows = compare(runs["old"], runs["new"])
   new_name = args.new or "working tree"
   old_commit, new_commit = (
