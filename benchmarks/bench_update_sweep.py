@@ -39,6 +39,7 @@ import functools
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -214,12 +215,15 @@ def make_runner(make_variant, inner, params, grads) -> Callable[[], None]:
   return run
 
 
-def time_interleaved(steps: Dict[str, Callable[[], None]], rounds: int,
-                     min_sample: float) -> Dict[str, List[float]]:
+def time_interleaved(steps: Dict[str, Callable[[], None]], rounds: int, min_sample: float
+                     ) -> Tuple[Dict[str, List[float]], Dict[str, float]]:
   """Seconds per call of each step in each round, the steps interleaved in a rotating order.
 
   Each sample runs a step as many times as it takes (measured once before) to
   last ``min_sample`` seconds, so that short steps are not timed one by one.
+  Also returns each step's minor page faults per call (on XLA:CPU, a step
+  whose temporaries exceed the allocator's mmap threshold, 32 MiB in glibc,
+  maps and faults in fresh pages on every call).
   """
   calls = {}
   for name, run in steps.items():
@@ -230,13 +234,16 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], rounds: int,
     calls[name] = max(1, int(np.ceil(min_sample / max(time.perf_counter() - start, 1e-9))))
   names = list(steps)
   samples: Dict[str, List[float]] = {name: [] for name in names}
+  faults = dict.fromkeys(names, 0)
   for r in range(rounds):
     for name in names[r % len(names):] + names[:r % len(names)]:
+      before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
       start = time.perf_counter()
       for _ in range(calls[name]):
         steps[name]()
       samples[name].append((time.perf_counter() - start) / calls[name])
-  return samples
+      faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+  return samples, {name: faults[name] / (rounds * calls[name]) for name in names}
 
 
 def ratio_stats(samples: Sequence[float], base: Sequence[float]) -> Dict[str, float]:
@@ -258,11 +265,12 @@ def run_cell(leaves: int, elements: int, mode: str, clip: bool, variants: Sequen
     inner = optax.chain(optax.clip_by_global_norm(1.0), inner)
   names = [baseline] + [v for v in variants if v != baseline and v in makers]
   steps = {name: make_runner(makers[name], inner, params, grads) for name in names}
-  samples = time_interleaved(steps, rounds, min_sample)
+  samples, faults = time_interleaved(steps, rounds, min_sample)
   del steps
   medians = {name: statistics.median(v) for name, v in samples.items()}
   return {"leaves": leaves, "elements": elements, "mode": mode, "clip": clip,
           "baseline": baseline, "rounds": rounds, "medians": medians,
+          "page_faults_per_call": faults,
           "ratios": {name: ratio_stats(samples[name], samples[baseline]) for name in names}}
 
 
@@ -360,10 +368,65 @@ def print_record(record) -> None:
     mark = ""
     if name == "jaxamp" and target is not None:
       mark = " ok" if r["ratio"] <= target else f" > {target}"
-    cells.append(f"{name} {r['ratio']:.2f} [{r['low']:.2f}-{r['high']:.2f}]{mark}")
+    faults = record.get("page_faults_per_call", {}).get(name)
+    shown = "" if faults is None else f" {faults:.0f}pf"
+    cells.append(f"{name} {r['ratio']:.2f} [{r['low']:.2f}-{r['high']:.2f}]{shown}{mark}")
   print(f"  {_cell_name(record):>16}  {record['mode']:<8} {'clip' if clip else '    '}  "
         f"{base} {record['medians'][record['baseline']] * 1e3:8.2f} ms | " + " | ".join(cells),
         flush=True)
+
+
+def _records_by_key(paths: Sequence[str]) -> Dict[tuple, List[Dict[str, Any]]]:
+  table: Dict[tuple, List[Dict[str, Any]]] = {}
+  for path in paths:
+    with open(path) as f:
+      for run in json.load(f)["runs"]:
+        for record in run["results"]["records"]:
+          key = (record["leaves"], record["elements"], record["mode"], record["clip"])
+          table.setdefault(key, []).append(record)
+  return table
+
+
+def markdown(before: Sequence[str], after: Sequence[str]) -> str:
+  """Markdown tables of the results files ``after`` (and jaxamp's ratios in ``before``).
+
+  One table per mode: a row per cell, with jaxamp's ratio before and after
+  (the median, and the quartiles after) and the peers' ratios after, without
+  and with clipping. Where a file holds a cell twice, the median of its runs.
+  """
+  old, new = _records_by_key(before), _records_by_key(after)
+
+  def ratio(records, name, field="ratio"):
+    values = [r["ratios"][name][field] for r in records if name in r["ratios"]]
+    return statistics.median(values) if values else None
+
+  def fmt(x):
+    return "" if x is None else f"{x:.2f}"
+
+  out = []
+  for mode, (baseline, _) in MODES.items():
+    cells = sorted({(k[0], k[1]) for k in new if k[2] == mode}, key=lambda c: (c[0] * c[1], c))
+    if not cells:
+      continue
+    head = ["cell (leaves x elements)"]
+    for clip in (False, True):
+      base = f"clip+{baseline}" if clip else baseline
+      head += [f"jaxamp before / {base}", "jaxamp after", "apply_if_finite", "flax DynamicScale"]
+    out.append("| " + " | ".join(head) + " |")
+    out.append("| " + " | ".join(["---"] * len(head)) + " |")
+    for leaves, elements in cells:
+      row = [f"{leaves} x {elements:,}"]
+      for clip in (False, True):
+        recs = new.get((leaves, elements, mode, clip), [])
+        after = ratio(recs, "jaxamp")
+        spread = (f" ({fmt(ratio(recs, 'jaxamp', 'low'))}-{fmt(ratio(recs, 'jaxamp', 'high'))})"
+                  if after is not None else "")
+        row += [fmt(ratio(old.get((leaves, elements, mode, clip), []), "jaxamp")),
+                fmt(after) + spread, fmt(ratio(recs, "apply_if_finite")),
+                fmt(ratio(recs, "flax_dynamic_scale"))]
+      out.append("| " + " | ".join(row) + " |")
+    out.append("")
+  return "\n".join(out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -384,7 +447,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
   parser.add_argument("--append", action="store_true",
                       help="with --json: add this run to the runs already in PATH")
+  parser.add_argument("--markdown", nargs="+", metavar="JSON",
+                      help="time nothing: print the tables of these results files (after "
+                           "--before's, whose jaxamp ratios become the 'before' columns)")
+  parser.add_argument("--before", nargs="*", default=[], metavar="JSON",
+                      help="with --markdown: the results of the earlier commit")
   args = parser.parse_args(argv)
+  if args.markdown:
+    print(markdown(args.before, args.markdown))
+    return {}
 
   cells = parse_cells(args.cells) if args.cells else GRIDS[args.grid]
   modes = [m.strip() for m in args.modes.split(",") if m.strip()]
