@@ -174,23 +174,28 @@ def _patch(module, name, value):
   return patched
 
 
-def _no_check(tree, axis_name=None):
-  # No check at all: every step counts as finite (the selection remains).
+def _no_check(grads, scale, axis_name=None):
+  # No check at all: every step counts as finite (the unscaling and the selection remain).
   del axis_name
   ok = jnp.ones([], jnp.bool_)
-  return finite.Check(ok, jnp.zeros([len(finite.float_leaves(tree))], jnp.bool_))
+  return finite.unscale(grads, scale), finite.Check(
+      ok, jnp.zeros([len(finite.float_leaves(grads))], jnp.bool_))
 
 
-def _flag_per_leaf(tree, axis_name=None):
-  # The check as before: each leaf's flag compared on its own (one small kernel per leaf).
+def _flag_per_leaf(grads, scale, axis_name=None):
+  # The check of an earlier jaxamp: each unscaled leaf's flag compared on its own (one small
+  # kernel per leaf), no stacking of small leaves.
   del axis_name
-  flags = jnp.stack([jnp.isnan(finite.leaf_witness(x)) for x in finite.float_leaves(tree)])
-  return finite.Check(jnp.logical_not(jnp.any(flags)), flags)
+  unscaled = finite.unscale(grads, scale)
+  flags = jnp.stack([jnp.isnan(finite.leaf_witness(x)) for x in finite.float_leaves(unscaled)])
+  return unscaled, finite.Check(jnp.logical_not(jnp.any(flags)), flags)
 
 
-def _simple_unscale(tree, scale):
+def _simple_unscale(grads, scale, axis_name=None):
   inv = (1.0 / jnp.asarray(scale, jnp.float32))
-  return jax.tree.map(lambda g: (g * inv.astype(g.dtype)) if validation.is_inexact(g) else g, tree)
+  unscaled = jax.tree.map(lambda g: (g * inv.astype(g.dtype)) if validation.is_inexact(g) else g,
+                          grads)
+  return unscaled, finite.check(unscaled, axis_name)
 
 
 def _no_selection(pred, update, old_state):
@@ -206,9 +211,9 @@ def _same_scale(self, scale, growth_tracker, overflow_count, found_inf):
 
 PARTS: Dict[str, Callable[[], Any]] = {
     "no_barriers": _patch(finite, "stored_once", lambda tree: tree),
-    "no_check": _patch(finite, "check", _no_check),
-    "flag_per_leaf": _patch(finite, "check", _flag_per_leaf),
-    "simple_unscale": _patch(finite, "unscale", _simple_unscale),
+    "no_check": _patch(finite, "unscale_and_check", _no_check),
+    "flag_per_leaf": _patch(finite, "unscale_and_check", _flag_per_leaf),
+    "simple_unscale": _patch(finite, "unscale_and_check", _simple_unscale),
     "no_selection": _patch(selective_update, "select_update", _no_selection),
     "no_scale_update": _patch(loss_scale.ScaleRule, "adjust", _same_scale),
 }

@@ -64,7 +64,7 @@ def test_the_compile_benchmark_times_every_phase_and_restores_what_it_switches_o
   params, x, loss = bench_compile.leaf_problem(2, width=8)
   modules = (finite, loss_scale.ScaleRule, selective_update)
   before = [dict(vars(m)) for m in modules]
-  names = ["plain", "check_only"] + [f"jaxamp:{part}" for part in bench_compile.PARTS]
+  names = ["plain", "check_only", "jaxamp"] + [f"jaxamp:{part}" for part in bench_compile.PARTS]
   with jax.numpy_dtype_promotion("standard"):
     medians, counts = bench_compile.measure(names, optax.sgd(0.1), bench_compile.fresh(loss, True),
                                             params, x, repeats=1)
@@ -72,6 +72,9 @@ def test_the_compile_benchmark_times_every_phase_and_restores_what_it_switches_o
   assert all(t > 0 for m in medians.values() for t in m.values())
   assert counts["jaxamp:no_check"]["hlo_instructions"] > counts["plain"]["hlo_instructions"]
   assert counts["check_only"]["hlo_instructions"] > counts["plain"]["hlo_instructions"]
+  # Each patch reaches the step (a patched function the step no longer calls changes nothing).
+  for part in ("no_check", "flag_per_leaf", "simple_unscale"):
+    assert counts[f"jaxamp:{part}"]["hlo_instructions"] != counts["jaxamp"]["hlo_instructions"]
 
 
 def test_the_compile_benchmark_reads_xlas_timers_of_the_step_alone():

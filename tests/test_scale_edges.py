@@ -181,8 +181,8 @@ def test_a_state_that_holds_the_gradient_itself_is_kept_on_a_skipped_step():
 
 
 @pytest.mark.parametrize("make", [
-    lambda tx: jaxamp.dynamic_loss_scale(tx, init_scale=1.0, stall_after=3),
-    lambda tx: jaxamp.static_loss_scale(tx, 1.0, stall_after=3),
+    lambda tx: jaxamp.dynamic_loss_scale(tx, init_scale=1.0, stall_after=3, on_stall="warn"),
+    lambda tx: jaxamp.static_loss_scale(tx, 1.0, stall_after=3, on_stall="warn"),
 ], ids=["dynamic_loss_scale", "static_loss_scale"])
 def test_the_stall_warning_names_the_transformation_to_reconfigure(make, request):
   name = request.node.callspec.id

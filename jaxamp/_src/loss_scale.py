@@ -207,8 +207,10 @@ class StallWarning(RuntimeWarning):
   """A loss-scaled run has skipped every step for a while: its gradients never become finite."""
 
 
-#: What a loss scaler does when its run stalls (``on_stall``).
-ON_STALL = ("warn", "ignore")
+#: What a loss scaler does when its run stalls (``on_stall``): ``"record"`` (the default) keeps the
+#: stall in the state only; ``"warn"`` also warns from inside the step, through a host callback;
+#: ``"ignore"`` is the earlier name of ``"record"``.
+ON_STALL = ("record", "warn", "ignore")
 
 
 def _check_on_stall(on_stall: Any) -> str:
@@ -229,7 +231,7 @@ def _warn_stalled(flipped: Any, stalled: Any, streak: Any, scale: Any, *, name: 
         f"jaxamp.{name}: {int(streak)} consecutive steps were skipped because the gradients held "
         f"inf or nan, and the loss scale ({float(scale):g}) has not made them finite: the run is "
         "stalled. Look for the operation that overflows (jaxamp.skip_report(opt_state, params) "
-        f"names the gradient leaves) or for bad inputs. Pass {name}(..., on_stall='ignore') to "
+        f"names the gradient leaves) or for bad inputs. Pass {name}(..., on_stall='record') to "
         "read LossScaleState.stalled yourself instead.", StallWarning, stacklevel=2)
   return np.asarray(stalled, np.bool_)
 
@@ -290,12 +292,12 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
     # One stored copy of the gradients for the check and the update alike, where
     # XLA honours barriers through fusion (see jaxamp._src.finite).
     grads = finite.stored_once(grads)
-    unscaled = finite.unscale(grads, state.scale)
     if len(finite.float_leaves(grads)) != state.nonfinite_leaves.shape[0]:
       raise ValueError(f"the gradients have {len(finite.float_leaves(grads))} floating leaves, the "
                        f"params the state was initialised with {state.nonfinite_leaves.shape[0]}")
-    # The check reads the unscaled gradients, the values the update reads.
-    check = finite.check(unscaled, axis_name)
+    # The check reads each raw gradient once and decides on the unscaled values, which XLA
+    # then computes inside the inner update's kernels (see finite.unscale_and_check).
+    unscaled, check = finite.unscale_and_check(grads, state.scale, axis_name)
     updates, inner_state = selective_update.select_update(
         check.finite, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
         state.inner_state)
@@ -327,7 +329,7 @@ def dynamic_loss_scale(
     max_scale: Optional[float] = None,
     axis_name: finite.AxisName = None,
     stall_after: int = DEFAULT_STALL_AFTER,
-    on_stall: str = "warn",
+    on_stall: str = "record",
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling.
 
@@ -365,13 +367,16 @@ def dynamic_loss_scale(
 
   The finite check holds whatever XLA does with the compiled step (fusion,
   FMA contraction, excess precision, reordered sums; see
-  ``docs/concepts.md``). It reads each unscaled gradient once, one
-  reduction per leaf: a sum of ``|g| - |g|`` for leaves of 32 bits or more
+  ``docs/concepts.md``). It reads each raw gradient once, one reduction
+  per leaf: a sum of ``|g * c| - |g * c|`` for leaves of 32 bits or more
   (+0 for a finite element, nan otherwise, in any order), the bits of the
-  others. The skip costs nothing more: the inner
+  others, where ``c`` is 1 for a scale of 1 or more (the unscaled gradients
+  are then finite exactly where the raw ones are) and the unscaling factor
+  below 1; the unscaled gradients themselves are computed inside the
+  optimizer's kernels. The skip costs nothing more: the inner
   update is traced and its new state selected where it is computed, so that
   XLA fuses the selection into the inner update's own elementwise kernels
-  (see ``benchmarks/bench_loss_scale.py``).
+  (see ``benchmarks/bench_update_sweep.py``).
 
   Args:
     inner: the optax transformation fed with the unscaled gradients, e.g.
@@ -395,16 +400,21 @@ def dynamic_loss_scale(
       run as stalled (``LossScaleState.stalled``, :func:`jaxamp.stalled`);
       a skip at ``min_scale``, where the scale cannot back off any more,
       counts as a stall at once.
-    on_stall: ``"warn"`` (the default) emits a :class:`jaxamp.StallWarning`
-      from inside the step, through a host callback, on the step where
-      the run becomes stalled (once per stall: ``stalled`` must turn False,
-      on an applied step, before it warns again); ``"ignore"`` only records
-      it in the state. The callback runs in a branch taken only on that step,
-      so a good step pays one scalar compare; but a program that holds a host
-      callback runs synchronously on XLA:CPU (the next step's dispatch cannot
-      overlap this one), which costs an update-bound step up to a third of its
-      time there. ``"ignore"``, reading :func:`jaxamp.stalled` every few
-      steps, avoids that (the facades do so).
+    on_stall: how a stall is reported. ``"record"`` (the default): in the
+      state only (``LossScaleState.stalled``, :func:`jaxamp.stalled`,
+      :func:`jaxamp.step_metrics`), which the facades read every few steps
+      and warn about, and which a training loop reads where it logs (see
+      ``docs/diagnostics.md``); the step holds no host callback.
+      ``"warn"``: the step also emits a :class:`jaxamp.StallWarning` itself,
+      through a host callback, on the step where the run becomes stalled
+      (once per stall: ``stalled`` must turn False, on an applied step,
+      before it warns again). The callback sits in a branch taken only on
+      that step, but a program that holds a host callback runs synchronously
+      on XLA:CPU (the next step's dispatch cannot overlap this one): an
+      update-bound adam step of 100 leaves of 128 x 128 took 1.45 times as
+      long as with ``"record"``, and the update-bound LM of
+      ``docs/benchmarks.md`` 1.07 times. On GPU the cost is unmeasured.
+      ``"ignore"`` is the earlier name of ``"record"``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -437,7 +447,7 @@ def dynamic_loss_scale(
 
 def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
                       axis_name: finite.AxisName = None,
-                      stall_after: int = DEFAULT_STALL_AFTER, on_stall: str = "warn"
+                      stall_after: int = DEFAULT_STALL_AFTER, on_stall: str = "record"
                       ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with a fixed loss scale; non-finite steps are still skipped.
 
@@ -451,7 +461,8 @@ def static_loss_scale(inner: optax.GradientTransformation, scale: float, *,
     axis_name: as in :func:`dynamic_loss_scale`.
     stall_after: consecutive skipped steps after which the state reports the
       run as stalled, as in :func:`dynamic_loss_scale`.
-    on_stall: ``"warn"`` or ``"ignore"``, as in :func:`dynamic_loss_scale`.
+    on_stall: ``"record"`` (the default) or ``"warn"``, as in
+      :func:`dynamic_loss_scale`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.

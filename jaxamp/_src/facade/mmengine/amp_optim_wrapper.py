@@ -210,14 +210,14 @@ class AmpOptimWrapper(OptimWrapper):
       return inner
     if cfg.kind == "static":
       static = ls.static_loss_scale(inner, cfg.init_scale, stall_after=self._stall_after,
-                                    on_stall="ignore")  # the wrapper reports stalls itself
+                                    on_stall="record")  # the wrapper reports stalls itself
       return _back_to_scale(static, cfg.init_scale)
     rule = cfg.rule
     return ls.dynamic_loss_scale(
         inner, init_scale=cfg.init_scale, growth_factor=rule.growth_factor,
         backoff_factor=rule.backoff_factor, growth_interval=rule.growth_interval,
         hysteresis=rule.hysteresis, min_scale=rule.min_scale, max_scale=rule.max_scale,
-        stall_after=self._stall_after, on_stall="ignore")  # the wrapper reports stalls itself
+        stall_after=self._stall_after, on_stall="record")  # the wrapper reports stalls itself
 
   def _commit_step(self, params: Any, state: Any, norm: Optional[jax.Array]) -> None:
     super()._commit_step(params, state, norm)
