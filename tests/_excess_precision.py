@@ -78,7 +78,7 @@ class _Rewriter:
         closed = _sub_jaxpr(eqn)
         outs, out_sources = self.evaluate(closed.jaxpr, closed.consts, values, in_sources)
       else:
-        params = {k: self._rewrite_param(k, v, eqn) for k, v in eqn.params.items()}
+        params = {k: self._rewrite_param(v) for k, v in eqn.params.items()}
         outs = eqn.primitive.bind(*values, **params)
         outs = list(outs) if eqn.primitive.multiple_results else [outs]
         out_sources = [None] * len(outs)
@@ -100,13 +100,12 @@ class _Rewriter:
       return src, src
     return lax.convert_element_type(src, dtype), src
 
-  def _rewrite_param(self, key: str, value: Any, eqn: Any) -> Any:
+  def _rewrite_param(self, value: Any) -> Any:
+    # Open jaxprs among the parameters (a scatter's or a reduction's combiner) stay as they are.
     if isinstance(value, core.ClosedJaxpr):
       return self.rewrite(value)
     if isinstance(value, tuple) and value and all(isinstance(v, core.ClosedJaxpr) for v in value):
       return tuple(self.rewrite(v) for v in value)
-    if isinstance(value, core.Jaxpr):
-      raise NotImplementedError(f"collapse_conversions: {eqn.primitive}'s parameter {key!r}")
     return value
 
   def rewrite(self, closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
