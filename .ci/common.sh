@@ -45,19 +45,36 @@ print(f"{sys.argv[1]}: Python {sys.version.split()[0]}, {found}")
 PY
 }
 
-# timed LABEL COMMAND...: runs COMMAND, then prints and records (in SUMMARY) its wall time and
-# the last line of its output (pytest's counts); returns COMMAND's status.
+# children_cpu FILE: writes the CPU seconds (user + system) used so far by the finished children
+# of this shell (bash's `times`, run in this shell: a subshell would count its own children).
+children_cpu() {
+  times > "$1"
+  awk 'END { n = split($0, t, " "); s = 0
+             for (i = 1; i <= n; i++) { split(t[i], f, "m"); s += f[1] * 60 + f[2] }
+             print s }' "$1" > "$1.sum"
+}
+
+# timed LABEL COMMAND...: runs COMMAND, then prints and records (in SUMMARY) its wall time, the
+# CPU time it used (all its processes), and the last line of its output (pytest's counts);
+# returns COMMAND's status.
 SUMMARY=()
 timed() {
-  local label=$1 start=$SECONDS status=0 log
+  local label=$1 start=$SECONDS status=0 log cpu_before cpu
   shift
   log=$(mktemp)
+  children_cpu "$log.cpu"
+  cpu_before=$(< "$log.cpu.sum")
   "$@" 2>&1 | tee "$log" || status=$?
+  children_cpu "$log.cpu"
+  cpu=$(awk -v a="$cpu_before" -v b="$(< "$log.cpu.sum")" 'BEGIN { printf "%d", b - a }')
   local elapsed=$((SECONDS - start))
-  SUMMARY+=("$(printf '%-34s %3d min %2d s  %s' "$label" $((elapsed / 60)) $((elapsed % 60)) \
+  local times
+  times=$(printf '%3d min %2d s wall, %3d min %2d s CPU' $((elapsed / 60)) $((elapsed % 60)) \
+          $((cpu / 60)) $((cpu % 60)))
+  SUMMARY+=("$(printf '%-20s %s  %s' "$label" "$times" \
                 "$(tail -n 1 "$log" | sed -e 's/^=* *//' -e 's/ *=*$//')")")
-  rm -f "$log"
-  echo "== $label: $((elapsed / 60)) min $((elapsed % 60)) s (status $status)"
+  rm -f "$log" "$log.cpu" "$log.cpu.sum"
+  echo "== $label: $times (status $status)"
   return "$status"
 }
 
