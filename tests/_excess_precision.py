@@ -10,9 +10,10 @@ function's program as the pass would, so that the CPU computes what the GPU does
 
 As XLA, the rewrite follows chains through calls (XLA inlines ``jit`` and custom rules' primal
 computations before the pass) but not into or out of the bodies of loops and conditionals, which
-stay computations of their own; inside them it rewrites each body by itself. A rounding that
-survives it is a ``lax.reduce_precision``, a bitcast, or a value that every reader takes in its
-rounded dtype.
+stay computations of their own; inside them it rewrites each body by itself. (XLA may also unroll
+a short loop, putting its iterations in one computation: a test of that unrolls the loop itself.)
+A rounding that survives it is a ``lax.reduce_precision``, a bitcast, or a value that every reader
+takes in its rounded dtype.
 """
 
 from __future__ import annotations

@@ -77,9 +77,9 @@ def test_the_rewrite_keeps_reduce_precision_bitcasts_and_loop_boundaries():
 
 # --- bfloat16 parameters -----------------------------------------------------------------------
 
-def _add_steps(rounding, steps, collapse):
-  """``steps`` SGD steps adding ``1e-4`` to a bfloat16 ``1.0``, in one compiled loop."""
-  tx = jaxamp.low_precision_params(optax.sgd(1e-4), rounding)
+def _add_steps(steps, unroll):
+  """``steps`` Kahan SGD steps adding ``1e-4`` to a bfloat16 ``1.0``, compiled as a GPU would."""
+  tx = jaxamp.low_precision_params(optax.sgd(1e-4), "kahan")
   params = {"w": jnp.ones(256, BF16)}
   grads = {"w": jnp.full(256, -1.0, BF16)}
 
@@ -89,21 +89,26 @@ def _add_steps(rounding, steps, collapse):
       updates, s = tx.update(grads, s, p)
       with jax.numpy_dtype_promotion("standard"):
         return optax.apply_updates(p, updates), s
-    return lax.fori_loop(0, steps, body, (params, state))
+    return lax.fori_loop(0, steps, body, (params, state), unroll=unroll)
 
-  return jax.jit(collapse_conversions(run) if collapse else run)(params, tx.init(params))
+  return jax.jit(collapse_conversions(run))(params, tx.init(params))
 
 
-def test_kahan_keeps_the_sum_when_round_trips_are_removed():
-  params, state = _add_steps("kahan", 100, collapse=True)
+# In one loop, and unrolled: consecutive steps in one computation, where a step reads the
+# parameters the previous one wrote through their float32 sum in apply_updates (XLA may unroll a
+# short loop itself).
+@pytest.mark.parametrize("steps, unroll", [(100, 1), (20, True)])
+def test_kahan_keeps_the_sum_when_round_trips_are_removed(steps, unroll):
+  params, state = _add_steps(steps, unroll)
   w = np.asarray(params["w"], np.float32)
   hidden = np.asarray(jaxamp.decode_compensation(state.compensation[0], params["w"]))
   # As on the CPU (the docstring's example): the float32 master's sum, held as the visible
-  # bfloat16 weight plus the compensation, where a removed rounding left the weight at 1.0.
+  # bfloat16 weight plus the compensation, where a removed rounding left the weight at 1.0 and
+  # the compensation at 0.
   master = np.float32(1.0)
-  for _ in range(100):
+  for _ in range(steps):
     master = np.float32(master + np.float32(1e-4))
-  np.testing.assert_array_equal(w, 1.0078125)
+  np.testing.assert_array_equal(w, master.astype(BF16).astype(np.float32))
   np.testing.assert_array_equal(w + hidden, master)
   assert float(state.stale_fraction[0]) == 1.0
 
