@@ -33,6 +33,33 @@ _NEWER_FLAX_FP8 = pytest.mark.skipif(
 OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 HIST = 8  # a short amax history: the roll is visible after a few steps
 
+# What the comparisons assume about the backend. XLA:CPU computes an fp8 product in float32 on the
+# fp8 values: each product of two of them is exact, and each output element is summed in one order
+# whatever the batch around it, so a window of micro-steps (or micro-batches) and one step on the
+# concatenated batch give the same values bit for bit. On a GPU, XLA chooses per program how to
+# run each fp8 product: natively (other accumulation orders and precisions), or in float32 where
+# the fp8 matrix units do not take it, on operands whose fp8 rounding its excess-precision pass may
+# then remove. Either way an operand may differ from CPU's by up to one fp8 spacing, 2**-3 of it in
+# e4m3 (activations, kernels: 3 mantissa bits) and 2**-2 in e5m2 (output gradients: 2 bits), and a
+# sum of products of such operands by less than 2**-2 of the sum of their magnitudes. So across
+# batch shapes the fp8 values (amaxes: the largest elements, where little cancels) are compared
+# within one e5m2 spacing there. Measured on one H200 (jax 0.11.2): the micro-steps'
+# output-gradient amax was CPU's 131.75 and the concatenated batch's 127.48 (3.3% less). An
+# error in the window's rule (the last micro-step's amax instead of the maximum) is off by orders
+# of magnitude here. The parameters, trained from gradients that inherit the same differences, are
+# compared on CPU only. Values that go through no fp8 product (the inputs' amaxes, a skipped step's
+# state) are compared exactly everywhere.
+EXACT_FP8 = jax.default_backend() == "cpu"
+E5M2_SPACING = 2.0**-2
+PARAMS_ON_CPU_ONLY = ("the fp8 values were compared within one e5m2 spacing; the parameters are "
+                      "compared with the concatenated batch's on CPU only, where the fp8 products "
+                      "are exact float32 sums of the fp8 values")
+
+
+def _across_shapes(rtol):
+  """The tolerance of fp8 values computed with other batch shapes than the reference's."""
+  return rtol if EXACT_FP8 else max(rtol, E5M2_SPACING)
+
 
 class Snippet(nn.Module):
   """The model of the report: one fp8 Dense layer with flax's default history."""
@@ -193,7 +220,13 @@ def test_the_fp8_state_is_overwritten_as_flax_does(path):
   # gradients' amax is that of the gradients the backward pass saw, scaled).
   want = _flax_step(model, variables, lambda v: _loss(model)(v, x),
                     grad_factor=GRAD_FACTOR.get(path, 2.0**16))
-  _assert_same_fp8(got, want)
+  if path != "microbatch_value_and_grad":  # the same batch shape as flax's step
+    _assert_same_fp8(got, want)
+    _assert_params_close(got, want)
+    return
+  _assert_same_fp8(got, want, rtol=_across_shapes(0.0))
+  if not EXACT_FP8:
+    pytest.skip(PARAMS_ON_CPU_ONLY)
   _assert_params_close(got, want)
 
 
@@ -392,17 +425,20 @@ def test_accumulated_micro_steps_give_the_concatenated_batch_step(path):
     got = history[N_MICRO * (w + 1) - 1]
     # The micro-step inside the window changed nothing.
     _assert_same_fp8(history[N_MICRO * w], history[N_MICRO * w - 1] if w else variables)
-    # The first window: exact. Later ones start from parameters that differ by the rounding
-    # of a sum of two gradients; the amaxes they give inherit it (the first layer's input
-    # history depends on the data only, and stays exact).
-    _assert_same_fp8(got, want, rtol=0.0 if w == 0 else 1e-6)
+    # The first window: exact on CPU. Later ones start from parameters that differ by the
+    # rounding of a sum of two gradients; the amaxes they give inherit it (the first layer's
+    # input history depends on the data only, and stays exact on every backend).
+    _assert_same_fp8(got, want, rtol=_across_shapes(0.0 if w == 0 else 1e-6))
     np.testing.assert_array_equal(_input_history(got), _input_history(want))
-    _assert_params_close(got, want, rtol=1e-5)
+    if EXACT_FP8:
+      _assert_params_close(got, want, rtol=1e-5)
   # The amax is the first (large) micro-batch's: the window keeps the maximum, not the last.
   op = history[-1][OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]
   np.testing.assert_array_equal(op["input_amax_history"][:1],
                                 jnp.max(jnp.abs(micro[0])))
   assert float(op["input_scale"][0]) != 1.0
+  if not EXACT_FP8:
+    pytest.skip(PARAMS_ON_CPU_ONLY)
 
 
 def test_microbatched_gradient_gives_the_concatenated_batch_step():
@@ -418,9 +454,12 @@ def test_microbatched_gradient_gives_the_concatenated_batch_step():
     _, grads = fn(variables, batch)
     updates, opt_state = tx.update(grads, opt_state, variables)
     variables = jaxamp.apply_updates(variables, updates)
-    _assert_same_fp8(variables, want, rtol=0.0 if w == 0 else 1e-6)
+    _assert_same_fp8(variables, want, rtol=_across_shapes(0.0 if w == 0 else 1e-6))
     np.testing.assert_array_equal(_input_history(variables), _input_history(want))
-    _assert_params_close(variables, want, rtol=1e-5)
+    if EXACT_FP8:
+      _assert_params_close(variables, want, rtol=1e-5)
+  if not EXACT_FP8:
+    pytest.skip(PARAMS_ON_CPU_ONLY)
 
 
 # -- an overflow the fp8 layer saturates ---------------------------------------------------------
@@ -638,7 +677,11 @@ def test_the_nnx_optimizer_refuses_to_step_the_fp8_variables():
 
 def test_the_fp8_train_step_compiles_once(count_traces):
   model, variables, micro = _mlp_data()
-  tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 2)
+  # A scale of 1 keeps the scaled output gradients of the 1e3-sized micro-batch (about 1e3)
+  # within e5m2's and float16's ranges on every backend. At the default 2**16 they are not: XLA:CPU
+  # saturated them, an H200 (jax 0.11.2) returned non-finite fp8 values and both steps were
+  # skipped, as an overflow is. This test is about compiling once; the overflow tests are above.
+  tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1.0), 2)
   state = jaxamp.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
   loss_fn = _sum_loss(model, N_MICRO * MICRO)
 

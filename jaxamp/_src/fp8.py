@@ -99,6 +99,8 @@ def accumulate(acc: Any, grads: Any, add: Callable[[Any, Any], Any]) -> Any:
 
 def select(applied: jax.Array, new: Any, old: Any) -> Any:
   """``new`` where ``applied``, else ``old`` (leafwise, in ``old``'s dtypes)."""
+  # The casts of this module are to a leaf's own dtype (float32 in Flax's layers): jaxamp rounds
+  # nothing here; the fp8 quantization is the layers' own.
   return jax.tree.map(lambda n, o: jnp.where(applied, jnp.asarray(n).astype(o.dtype), o), new, old)
 
 

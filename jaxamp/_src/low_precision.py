@@ -65,9 +65,25 @@ def _check_leaves(tree: Any, what: str) -> None:
           "computation only (jaxamp.Policy), or store the parameters in bfloat16.")
 
 
+# Every rounding here produces a float32 array holding bfloat16 values, and no value rounded here
+# is read back from bfloat16: on a GPU, XLA removes ``convert(convert(x: f32) -> bf16) -> f32`` by
+# default (excess precision), so a rounding written as that round trip would read the unrounded
+# ``x``. ``lax.reduce_precision`` and bitcasts are kept whatever XLA does to conversions. The
+# parameters are read as float32 from bfloat16; where the step that wrote them is in the same
+# program (two steps in one jit), XLA may read them from the float32 sum of ``apply_updates``
+# instead, which is the bfloat16 value itself (see :func:`exact_update`; to within a float32
+# spacing in the rare case that function describes).
+_LOW_INFO = jnp.finfo(_LOW)
+
+
 def round_nearest(x: jax.Array) -> jax.Array:
-  """float32 to bfloat16, round-to-nearest-even."""
-  return x.astype(_LOW)
+  """float32 to the nearest bfloat16 value (ties to even), as a float32 array.
+
+  ``lax.reduce_precision`` rounds as the conversion to bfloat16 does (overflow
+  to inf, NaN kept) without leaving float32, so no rewrite of conversions can
+  remove it.
+  """
+  return lax.reduce_precision(x, exponent_bits=_LOW_INFO.nexp, mantissa_bits=_LOW_INFO.nmant)
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -98,12 +114,13 @@ def random_bits16(key: jax.Array, shape: tuple) -> jax.Array:
 
 
 def round_stochastic(x: jax.Array, key: jax.Array) -> jax.Array:
-  """float32 to bfloat16, stochastically: adds 16 random bits below the kept ones, then truncates.
+  """float32 to bfloat16 values, stochastically: adds 16 random bits below the kept ones, truncates.
 
   The float32 bit pattern ``b`` (sign, 8 exponent bits, 23 mantissa bits) gets
   a uniform integer ``r`` in ``[0, 2**16)`` (:func:`random_bits16` of the raw
   ``key``) added to it as an unsigned integer, and the low 16 bits of the sum
-  are cleared; the result is a bfloat16 value. The magnitude therefore rounds
+  are cleared; the result is a bfloat16 value, as a float32 array (read from
+  the bits, so no rewrite of conversions can remove the rounding). The magnitude therefore rounds
   away from zero with probability ``(b mod 2**16) / 2**16``, its distance to
   the lower neighbour in units of the bfloat16 spacing, and toward zero
   otherwise: the expectation is ``x`` (unbiased), across binades and
@@ -113,18 +130,21 @@ def round_stochastic(x: jax.Array, key: jax.Array) -> jax.Array:
   """
   bits = lax.bitcast_convert_type(x, jnp.uint32)
   kept = (bits + random_bits16(key, x.shape)) & jnp.uint32(0xFFFF0000)
-  rounded = lax.bitcast_convert_type(kept, jnp.float32).astype(_LOW)  # exact: 16 low bits clear
-  return jnp.where(jnp.isnan(x), round_nearest(x), rounded)
+  return jnp.where(jnp.isnan(x), x, lax.bitcast_convert_type(kept, jnp.float32))
 
 
 def _unit_exponent(p: jax.Array) -> jax.Array:
   """int32 ``e``: the compensation of ``p`` counts in units of ``2**(e - 23)`` (float32's spacing).
 
   ``e`` is ``p``'s binary exponent, at least -126 (zeros and subnormals) and
-  at most 126.
+  at most 126; ``p`` is a bfloat16 parameter or a float32 array of bfloat16
+  values (the exponent fields agree).
   """
-  bits = lax.bitcast_convert_type(p, jnp.uint16).astype(jnp.int32)
-  return jnp.clip(((bits >> 7) & 0xFF) - 127, -126, 126)
+  if p.dtype == _LOW:
+    bits = lax.bitcast_convert_type(p, jnp.uint16).astype(jnp.int32) << 16
+  else:
+    bits = lax.bitcast_convert_type(p, jnp.int32)
+  return jnp.clip(((bits >> 23) & 0xFF) - 127, -126, 126)
 
 
 def _pow2(e: jax.Array) -> jax.Array:
@@ -356,8 +376,8 @@ def low_precision_params(
         continue
       u32 = jnp.asarray(u).astype(jnp.float32)
       total = p32 + u32
-      nearest = round_nearest(total)
-      lost = (nearest == p) & (u32 != 0)
+      nearest = round_nearest(total)  # float32 arrays of bfloat16 values from here on
+      lost = (nearest == p32) & (u32 != 0)
       stale.append(jnp.sum(lost, dtype=jnp.float32) / jnp.float32(max(lost.size, 1)))
       if rounding == "nearest":
         new = nearest
@@ -366,8 +386,8 @@ def low_precision_params(
       else:
         y = u32 + decode_compensation(state.compensation[j], p)
         new = round_nearest(p32 + y)
-        compensation.append(encode_compensation(y - (new.astype(jnp.float32) - p32), new))
-      out.append(exact_update(p32, new.astype(jnp.float32)))
+        compensation.append(encode_compensation(y - (new - p32), new))
+      out.append(exact_update(p32, new))
       j += 1
     stale_fraction = (jnp.stack(stale) if stale else jnp.zeros([0], jnp.float32))
     return jax.tree.unflatten(treedef, out), LowPrecisionState(

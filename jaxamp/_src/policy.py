@@ -52,6 +52,10 @@ def canonical_dtype(dtype: DTypeLike, name: str = "dtype") -> jnp.dtype:
 
 
 def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
+  # These casts choose the dtype the computation runs in; nothing relies on a value having been
+  # rounded by them. Where XLA keeps more precision (on a GPU it removes every
+  # convert(convert(x: f32) -> f16) -> f32), the computation is more precise, and the gradients
+  # and the loss scaler's check read the values the program computed, whatever they are.
   def cast(x):
     if isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating):
       return x.astype(dtype)
