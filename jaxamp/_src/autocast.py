@@ -514,10 +514,12 @@ class _Autocast:
   """The function returned by :func:`autocast` (equal for equal ``fn`` and options)."""
 
   def __init__(self, fn: Callable[..., Any], cfg: _Config, enabled: bool):
+    # Name and docstring from fn, but not its attributes: an autocast function wrapped again
+    # would take its _fn, _cfg and _enabled.
+    functools.update_wrapper(self, fn, updated=())
     self._fn = fn
     self._cfg = cfg
     self._enabled = enabled
-    functools.update_wrapper(self, fn)
 
   def __eq__(self, other):
     return (type(other) is _Autocast and self._fn == other._fn and self._cfg == other._cfg
