@@ -67,7 +67,7 @@ def _make_config(dtype: Any, overrides: Optional[Mapping[Any, str]]) -> _Config:
     if rule not in ops.RULES:
       raise ValueError(f"overrides[{name!r}] must be one of {ops.RULES}, got {rule!r}")
     if name in interp.FAMILY_OF and rule != "off":
-      raise ValueError(f"overrides[{name!r}] must be 'off' ({name} is recursed into and its "
+      raise ValueError(f"overrides[{name!r}] must be 'off' ({name} is entered and its "
                        f"own operations follow their rules), got {rule!r}")
     items[name] = rule
   return _Config(dtype, tuple(sorted(items.items())))
@@ -296,21 +296,23 @@ def _dependence(closed, outputs) -> Tuple[bool, set]:
   """Whether the outputs ``outputs`` of a jaxpr involve a floating value, and the inputs they read."""
   jaxpr = interp.closed(closed).jaxpr
   needed = {v for i, v in enumerate(jaxpr.outvars) if i in outputs and isinstance(v, interp.Var)}
-  floats = any(_is_float(v.aval.dtype) for v in needed)
+  floats = any(_is_float_var(v) for v in needed)
   for eqn in reversed(jaxpr.eqns):
-    if not any(v in needed for v in eqn.outvars):
-      continue
-    needed.update(v for v in eqn.invars if isinstance(v, interp.Var))
-    floats = floats or any(_is_float(v.aval.dtype) for v in [*eqn.invars, *eqn.outvars]) or any(
-        _has_floats(sub) for sub in interp.subjaxprs(eqn))
+    if any(v in needed for v in eqn.outvars):
+      needed.update(v for v in eqn.invars if isinstance(v, interp.Var))
+      floats = floats or _computes_on_floats(eqn)
   return floats, {i for i, v in enumerate(jaxpr.invars) if v in needed}
 
 
-def _has_floats(closed) -> bool:
-  """Whether a jaxpr computes anything on floating values (its sub-jaxprs included)."""
-  return any(any(_is_float(v.aval.dtype) for v in [*eqn.invars, *eqn.outvars])
-             or any(_has_floats(sub) for sub in interp.subjaxprs(eqn))
-             for eqn in interp.closed(closed).jaxpr.eqns)
+def _computes_on_floats(eqn) -> bool:
+  """Whether an equation takes or gives a floating value, in its bodies too."""
+  return any(_is_float_var(v) for v in [*eqn.invars, *eqn.outvars]) or any(
+      _computes_on_floats(e) for sub in interp.subjaxprs(eqn) for e in interp.closed(sub).jaxpr.eqns)
+
+
+def _is_float_var(v) -> bool:
+  dtype = getattr(v.aval, "dtype", None)
+  return dtype is not None and _is_float(dtype)
 
 
 def _tangent_zeros(x):
@@ -695,7 +697,9 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
 
   - **low precision** (``dot_general``, ``conv_general_dilated``): floating
     inputs other than float64 are cast to ``dtype``; products accumulate in
-    float32 and return ``dtype``;
+    float32 and return ``dtype``, or the dtype the program requested (a
+    ``preferred_element_type`` other than the operands' dtype, which it
+    keeps);
   - **float32** (``exp``, ``log``, ``log1p``, ``expm1``, ``pow``,
     ``integer_pow``, ``square``, ``sqrt``, ``rsqrt``, ``logistic``,
     ``erf_inv``, ``reduce_sum``, ``cumsum``, ...): 16-bit inputs are cast to
@@ -714,17 +718,26 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
   boolean and key values are never cast.
 
   ``jit``, ``checkpoint``, ``cond``, ``while_loop``, ``scan``, ``shard_map``
-  and ``custom_jvp``/``custom_vjp`` functions are recursed into, keeping
-  their shardings, remat policies and every ``custom_vjp`` pattern JAX allows
+  and ``custom_jvp``/``custom_vjp`` functions are entered, keeping their
+  shardings, remat policies and every ``custom_vjp`` pattern JAX allows
   (forward rules that call the function, residuals that are inputs,
   ``nondiff_argnums``, symbolic zeros). The outputs of ``cond`` and the
-  carries of loops keep their traced dtypes. A ``custom_jvp`` rule is
-  autocast like the function; a ``custom_vjp``'s forward pass is autocast and
-  its backward rule runs as written, on residuals and cotangents cast to the
-  dtypes it was traced with. Each operation keeps its ``named_scope`` and
-  source information. A primitive with a body that autocast does not enter
-  runs at its traced dtypes, and an :class:`AutocastWarning` names it once
-  per trace (an ``'off'`` override for it silences the warning).
+  carries of loops keep their traced dtypes. A ``while_loop`` whose predicate
+  reads a floating value runs at its traced dtypes, so that autocast never
+  changes when a loop stops. A ``custom_jvp`` rule is autocast like the
+  function; a ``custom_vjp``'s forward pass is autocast and its backward rule
+  runs as written, on residuals and cotangents cast to the dtypes it was
+  traced with. Linear solves (``custom_linear_solve``) run at their traced
+  dtypes. Each operation keeps its ``named_scope`` and source information.
+  An equation autocast cannot interpret (a primitive with a body it does not
+  enter, a JAX release that moved what it reads) runs at its traced dtypes,
+  and an :class:`AutocastWarning` names it once per trace (an ``'off'``
+  override for it silences the warning); nothing raises inside ``fn``'s
+  trace for it.
+
+  Inside ``fn``, :func:`autocast_disabled` (or ``autocast(g,
+  enabled=False)``) marks a region whose operations run at their traced
+  dtypes, as ``torch.autocast(enabled=False)`` does.
 
   Flax NNX modules among the arguments (or ``fn`` itself, a method bound to
   one, a ``functools.partial`` of one) have their state split out before the
@@ -736,7 +749,8 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
       traced, every other leaf is static and must be hashable to be cached.
     dtype: the low-precision dtype, ``float16`` (the default, as
       ``torch.autocast("cuda")``) or ``bfloat16``, or its name.
-    enabled: ``False`` returns a function that calls ``fn`` unchanged.
+    enabled: ``False`` returns a function that calls ``fn`` unchanged, an
+      opt-out region inside another autocast (:func:`autocast_disabled`).
     overrides: ``{primitive name or primitive: rule}`` with a rule among
       ``'low'``, ``'float32'``, ``'promote'`` and ``'off'`` (the traced
       dtypes), replacing the default list of that primitive.

@@ -209,7 +209,7 @@ def _is_jaxpr(value: Any) -> bool:
 
 def _slots(params: dict) -> list:
   """``(key, index in a tuple or None, jaxpr)`` for each sub-jaxpr among ``params``."""
-  found = []
+  found: list = []
   for key, value in params.items():
     if _is_jaxpr(value):
       found.append((key, None, value))
@@ -521,6 +521,10 @@ def check() -> dict:
   if again.out_avals != closed_probe.out_avals:
     raise _fail(f"binding a jaxpr's equations again gives {again.out_avals}, not "
                 f"{closed_probe.out_avals}")
+  # Opt-out regions are read from the name stack: without it they would be silently ignored.
+  scoped = jax.make_jaxpr(_in_check_scope)(1.0).jaxpr.eqns[0]
+  if not in_scope(scoped, "jaxamp_check") or in_scope(eqn, "jaxamp_check"):
+    raise _fail("an equation's name stack does not say which named scopes it was traced in")
   families = {}
   for name, probe in _PROBES.items():
     try:
@@ -529,6 +533,11 @@ def check() -> dict:
       families[name] = f"{type(err).__name__}: {err}"
   _checked["families"] = families
   return families
+
+
+def _in_check_scope(x: Any) -> Any:
+  with jax.named_scope("jaxamp_check"):
+    return jnp.sin(x)
 
 
 def _probe_eqn(fn: Callable[..., Any], *args: Any, family_name: str) -> Any:
@@ -621,7 +630,9 @@ def _check_shard_map() -> None:
 
 
 def _scan(x: jax.Array) -> jax.Array:
-  return lax.scan(lambda c, y: (jnp.sin(c) * y, jnp.sum(c)), x, jnp.ones((3, 2, 2)))[0]
+  # A weakly typed carry too: a body's results are cast back to weak types.
+  body = lambda c, y: ((jnp.sin(c[0]) * y, c[1] + c[1]), jnp.sum(c[0]))
+  return lax.scan(body, (x, 1.0), jnp.ones((3, 2, 2)))[0][0]
 
 
 def _while(x: jax.Array) -> jax.Array:
