@@ -25,12 +25,12 @@ are functions, not jaxprs, or their body needs its mesh to be traced, so their
 parameters are read by name (:func:`custom_jvp_parts`,
 :func:`custom_vjp_parts`, :func:`shard_map_parts`).
 
-:func:`check` is the guarded entry point, run once: it binds a small program
-again (failing that, it raises :class:`InterpretError` and neither user
-interprets anything), then takes each family of primitives that autocast
-enters through the same functions on a probe program, and returns the
-families that failed with the reason. Autocast runs those at their traced
-dtypes, with a warning naming them.
+:func:`check` is the guarded entry point, which both users call before they
+interpret (what passed is remembered): it binds a small program again (failing
+that, it raises :class:`InterpretError` and neither interprets anything), then
+takes each family of primitives that autocast enters through the same
+functions on a probe program, and returns the families that failed with the
+reason. Autocast runs those at their traced dtypes, with a warning naming them.
 """
 
 from __future__ import annotations
@@ -485,21 +485,38 @@ def is_zero(x: Any) -> bool:
 # ----------------------------------------------------------------------------- the check
 
 
-_checked: dict = {}
+_checked: dict = {}  # "core": True once binding works; "ok": the families that passed
 
 
 def check() -> dict:
-  """Checks, once, what this module reads of JAX; returns ``{family: reason}`` of those that fail.
+  """Checks what this module reads of JAX; returns ``{family: reason}`` of the families that fail.
 
   Raises :class:`InterpretError` when binding an equation again fails, which
   every use needs. Each family of :data:`FAMILIES` is then taken through the
   functions autocast uses for it, on a probe program built with JAX's public
   API: the bodies replaced, the rules traced and called, the equation bound
   again, and its output types compared. A family that fails is returned with
-  the reason, and is not entered.
+  the reason, and is not entered. What passes is not checked again; a family
+  that failed is, at the next call (a failure may come of the context the
+  call is made in, such as a mesh).
   """
-  if "families" in _checked:
-    return _checked["families"]
+  if "core" not in _checked:
+    _check_core()
+    _checked["core"] = True
+  ok = _checked.setdefault("ok", set())
+  failed = {}
+  for name, probe in _PROBES.items():
+    if name in ok:
+      continue
+    try:
+      probe()
+      ok.add(name)
+    except Exception as err:  # noqa: BLE001 -- each failure disables its family, with the reason
+      failed[name] = f"{type(err).__name__}: {err}"
+  return failed
+
+
+def _check_core() -> None:
   if not all(callable(getattr(_source_info, name, None))
              for name in ("user_context", "current_name_stack")):
     raise _fail("jax.extend.source_info_util has no user_context or current_name_stack")
@@ -525,14 +542,6 @@ def check() -> dict:
   scoped = jax.make_jaxpr(_in_check_scope)(1.0).jaxpr.eqns[0]
   if not in_scope(scoped, "jaxamp_check") or in_scope(eqn, "jaxamp_check"):
     raise _fail("an equation's name stack does not say which named scopes it was traced in")
-  families = {}
-  for name, probe in _PROBES.items():
-    try:
-      probe()
-    except Exception as err:  # noqa: BLE001 -- each failure disables its family, with the reason
-      families[name] = f"{type(err).__name__}: {err}"
-  _checked["families"] = families
-  return families
 
 
 def _in_check_scope(x: Any) -> Any:
