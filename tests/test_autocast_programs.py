@@ -247,6 +247,24 @@ def test_equinox_filter_custom_vjp_and_modules(dtype):
   assert dots and all(d == (dtype, dtype) for d in dots)
 
 
+@pytest.mark.skipif(not hasattr(jax.custom_vjp, "defvjp_with_logs"),
+                    reason="backward rules log from jax 0.12 on")
+def test_the_logs_of_a_backward_rule_reach_the_vjp_under_autocast():
+  @jax.custom_vjp
+  def f(x):
+    return jnp.sin(x)
+
+  f.defvjp_with_logs(lambda x: (f(x), x), lambda x, g: ((g * jnp.cos(x),), {"sum": jnp.sum(g)}))
+  loss = lambda w: jnp.sum(f(X @ w))
+  _, vjp = jax.vjp(jaxamp.autocast(loss), W)
+  (ct,), logs = vjp.with_logs(jnp.float32(1.0))
+  _, want_vjp = jax.vjp(loss, W)
+  (want,), want_logs = want_vjp.with_logs(jnp.float32(1.0))
+  assert ct.dtype == F32 and logs.keys() == want_logs.keys()
+  np.testing.assert_array_equal(logs["sum"], want_logs["sum"])
+  np.testing.assert_allclose(ct, want, rtol=1e-2, atol=1e-2)
+
+
 def test_a_rule_closing_over_traced_values_warns_and_runs_as_traced():
   def loss(w, y):
     @jax.custom_vjp

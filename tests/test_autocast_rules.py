@@ -25,19 +25,11 @@ from jax import lax
 
 import jaxamp
 from jaxamp._src import autocast_ops
-from jaxamp._src import compat
 from jaxamp._src import jaxpr_interp
+from tests.test_autocast import all_eqns
 
 F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 LOW = pytest.mark.parametrize("low", [F16, BF16], ids=["f16", "bf16"])
-
-
-def all_eqns(jaxpr):
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for sub in compat.jaxprs_in_params(eqn.params):
-      yield from all_eqns(sub)
 
 
 def eqns_of(fn, *args, prim):

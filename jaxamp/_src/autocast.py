@@ -408,16 +408,19 @@ def _custom_vjp(eqn, invals, run):
     cts = [jax.custom_derivatives.SymbolicZero(a.to_tangent_aval()) if interp.is_zero(ct)
            else _cast(ct, a.dtype) if _is_float(a.dtype) else ct
            for ct, a in zip(cts, parts.call.out_avals)]
-    cts_in = parts.bwd(*residuals, *cts)
+    cts_in, logs = parts.bwd(*residuals, *cts)
     grads = []
     for ct, dtype, is_float in zip(cts_in, in_cast, in_float):
       if interp.is_zero(ct) or not is_float:
         grads.append(None)
       else:
         grads.append(_cast(ct, dtype))
-    return tuple(grads)
+    return (tuple(grads), logs) if with_logs else tuple(grads)
 
-  fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=parts.symbolic_zeros)
+  # From jax 0.12 on a backward rule may log (defvjp_with_logs); its logs are handed on.
+  define = getattr(fn, "defvjp_with_logs", None)
+  with_logs = define is not None
+  (define or fn.defvjp)(fn_fwd, fn_bwd, symbolic_zeros=parts.symbolic_zeros)
   return list(fn(*invals))
 
 

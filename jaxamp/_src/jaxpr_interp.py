@@ -431,7 +431,7 @@ class CustomVjpParts(NamedTuple):
   call: ClosedJaxpr
   num_consts: int
   fwd: Callable[[Sequence[bool]], ClosedJaxpr]  # perturbed inputs -> fwd jaxpr
-  bwd: Callable[..., list]  # (*residuals, *cotangents) -> flat input cotangents
+  bwd: Callable[..., tuple]  # (*residuals, *cotangents) -> (flat input cotangents, logs)
   res_forwards: Callable[[], list]  # for each residual, the index of the input it is, or None
   symbolic_zeros: bool  # the rules see perturbation flags and symbolic zero cotangents
 
@@ -444,7 +444,8 @@ def custom_vjp_parts(eqn: Any) -> CustomVjpParts:
   outputs. ``res_forwards()`` (valid after ``fwd``) gives, for each residual
   the backward rule takes, the index of the input it is (or ``None``).
   ``bwd`` returns one cotangent per input, a symbolic zero where there is none
-  (see :func:`is_zero`).
+  (see :func:`is_zero`), and the rule's logs (``defvjp_with_logs``, from jax
+  0.12 on; ``None`` otherwise).
   """
   thunk, bwd, out_trees = (param(eqn, "fwd_jaxpr_thunk"), param(eqn, "bwd"),
                            param(eqn, "out_trees"))
@@ -461,17 +462,17 @@ def custom_vjp_parts(eqn: Any) -> CustomVjpParts:
       raise _fail("custom_vjp_call's out_trees gives no input forwarding per residual")
     return forwards
 
-  def cotangents(*args: Any) -> list:
-    out = bwd.call_wrapped(*args)
+  def cotangents(*args: Any) -> tuple:
+    out, logs = bwd.call_wrapped(*args), None
     # From jax 0.12 on the rule returns (cotangents, logs); the cotangents themselves are
     # arrays or symbolic zeros, never a list, so the two layouts cannot be confused.
     if (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], (tuple, list))
         and (out[1] is None or isinstance(out[1], dict))):
-      out = out[0]
+      out, logs = out
     out = list(out)
     if len(out) != n_in or any(isinstance(ct, (tuple, list)) for ct in out):
       raise _fail(f"custom_vjp_call's backward rule returns {len(out)} values for {n_in} inputs")
-    return out
+    return out, logs
 
   return CustomVjpParts(closed(param(eqn, "call_jaxpr")), int(param(eqn, "num_consts")), fwd,
                         cotangents, res_forwards, bool(param(eqn, "symbolic_zeros")))
@@ -621,7 +622,9 @@ def _check_custom_vjp() -> None:
 
   def rules(x, y):
     res, out = _identity(fwd, [x, y])
-    cts = parts.bwd(res, y, out)
+    cts, logs = parts.bwd(res, y, out)
+    if logs is not None:
+      raise _fail(f"a custom_vjp backward rule without logs gives the logs {logs}")
     return [ct for ct in cts if not is_zero(ct)]
 
   _expect(rules, [_X, _X], [_X], "a custom_vjp rule")
