@@ -15,8 +15,8 @@ Primitives in none of the lists run under ``"off"``; control flow and calls
 (``jit``, ``cond``, ``while``, ``scan``, ``checkpoint``, ``custom_jvp_call``,
 ``custom_vjp_call``, ``shard_map``: the families of
 :data:`jaxamp._src.jaxpr_interp.FAMILIES`) are entered. Every name here is the
-name of a primitive in each supported JAX release (``tests/test_autocast.py``
-checks them against the installed one).
+name of a primitive in each supported JAX release
+(``tests/test_autocast_rules.py`` checks them against the installed one).
 """
 
 from __future__ import annotations
