@@ -317,6 +317,13 @@ def test_an_opt_out_region_inside_a_scan_and_autocast_again_inside_it():
   np.testing.assert_allclose(jaxamp.autocast(f)(w, x), f(w, x), rtol=5e-2, atol=5e-2)
 
 
+def test_a_nested_autocast_takes_the_outer_dtype_unless_opted_out():
+  w, x = jnp.eye(2), jnp.ones((2, 2))
+  inner = jaxamp.autocast(lambda a: a @ w, "bf16")
+  assert jaxamp.autocast(lambda a: inner(a))(x).dtype == F16
+  assert jaxamp.autocast(lambda a: jaxamp.autocast_disabled(inner)(a))(x).dtype == BF16
+
+
 def test_an_opt_out_region_outside_autocast_is_the_function():
   f = lambda a, b: a @ b
   np.testing.assert_array_equal(jaxamp.autocast_disabled(f)(A, B), f(A, B))
