@@ -2,7 +2,7 @@
 
 from jaxamp import paddle
 from jaxamp._src.accumulation import accumulate_gradients
-from jaxamp._src.autocast import AutocastWarning, autocast
+from jaxamp._src.autocast import AutocastWarning, autocast, autocast_disabled
 from jaxamp._src.clipping import clip_grad_norm
 from jaxamp._src.clipping import clip_grad_value
 from jaxamp._src.clipping import total_grad_norm
@@ -74,6 +74,7 @@ __all__ = (
     "all_finite",
     "apply_updates",
     "autocast",
+    "autocast_disabled",
     "build_optim_wrapper",
     "clip_grad_norm",
     "clip_grad_norm_",

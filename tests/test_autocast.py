@@ -116,7 +116,7 @@ def test_overrides_replace_a_primitive_rule():
 
 
 def test_unknown_primitives_run_at_their_traced_dtypes():
-  # A primitive with a body autocast does not recurse into (lax.reduce with a custom
+  # A primitive with a body autocast does not enter (lax.reduce with a custom
   # computation) runs as traced, and autocast says so once, naming it.
   def f(x, w):
     h = x @ w

@@ -810,7 +810,9 @@ def _structured(jaxpr, found):
 def test_checkpoint_scan_and_shard_map_keep_their_options_under_autocast():
   from jax.sharding import PartitionSpec
 
-  mesh = jax.make_mesh((1, 1), ("data", "model"))
+  # Auto axes: over make_mesh's default Explicit ones, jax 0.12's shard_map refuses in_specs
+  # that do not match the input's sharding.
+  mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
   def f(x):
     y = jax.checkpoint(lambda a: jnp.sin(a @ a), prevent_cse=False,
@@ -942,15 +944,15 @@ def test_a_custom_jvp_closing_over_a_traced_value_warns_and_runs_at_its_traced_d
 
 
 def test_a_primitive_with_a_body_autocast_does_not_know_warns_and_runs_at_its_traced_dtypes():
-  def f(x, w):
-    return lax.custom_linear_solve(lambda v: v @ w, x, lambda matvec, b: b)
+  def f(x, w):  # lax.reduce with a computation that is no monoid: the 'reduce' primitive
+    return lax.reduce(x @ w, 0.0, lambda a, b: a + jnp.abs(b), (1,))
 
   x, w = jnp.asarray(X), jnp.asarray(Y)
   with pytest.warns(jaxamp.AutocastWarning,
-                    match=r"cannot interpret 'custom_linear_solve' \(autocast does not recurse "
-                          r"into its body\)"):
+                    match=r"cannot interpret 'reduce' \(autocast does not enter its body\)"):
     got = jaxamp.autocast(f)(x, w)
-  np.testing.assert_array_equal(got, jax.jit(f)(x, w))
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, jax.jit(f)(x, w), rtol=1e-2)  # x @ w ran in float16
 
 
 def test_integer_operations_keep_their_integer_dtype():

@@ -66,8 +66,8 @@ def _make_config(dtype: Any, overrides: Optional[Mapping[Any, str]]) -> _Config:
     name = _primitive_name(key)
     if rule not in ops.RULES:
       raise ValueError(f"overrides[{name!r}] must be one of {ops.RULES}, got {rule!r}")
-    if name in ops.RECURSED and rule != "off":
-      raise ValueError(f"overrides[{name!r}] must be 'off' ({name} is recursed into and its "
+    if name in interp.FAMILY_OF and rule != "off":
+      raise ValueError(f"overrides[{name!r}] must be 'off' ({name} is entered and its "
                        f"own operations follow their rules), got {rule!r}")
     items[name] = rule
   return _Config(dtype, tuple(sorted(items.items())))
@@ -131,11 +131,16 @@ class AutocastWarning(UserWarning):
   """autocast met an equation it cannot interpret and runs it at the dtypes it was traced with."""
 
 
-class _Run:
-  """One trace's interpretation: its rules, and the primitives it has warned about."""
+#: The named scope that marks an opt-out region (:func:`autocast_disabled`).
+_DISABLED = "autocast_disabled"
 
-  def __init__(self, cfg: _Config):
+
+class _Run:
+  """One trace's interpretation: its rules, the families it cannot enter, what it has warned of."""
+
+  def __init__(self, cfg: _Config, broken: Mapping[str, str]):
     self.cfg = cfg
+    self.broken = broken  # {family: reason}, from jaxpr_interp.check()
     self.warned: set = set()
 
   def fall_back(self, eqn, invals, reason: str):
@@ -164,16 +169,24 @@ def _bind_off(eqn, invals):
 def _eval_eqn(eqn, invals, run: _Run):
   cfg = run.cfg
   name = eqn.primitive.name
-  rule = cfg.rule(name)
-  if name in _RECURSIVE_RULES:
+  if interp.in_scope(eqn, _DISABLED):
+    return _bind_off(eqn, invals)
+  family = interp.family(eqn)
+  if family is not None:
     if cfg.rules.get(name) == "off":
       return _bind_off(eqn, invals)
+    if family in run.broken:
+      return run.fall_back(eqn, invals, run.broken[family])
     try:
-      return _RECURSIVE_RULES[name](eqn, invals, run)
-    except (interp.InterpretError, _Unsupported) as err:
-      return run.fall_back(eqn, invals, str(err))
-  if name not in cfg.rules and interp.has_subjaxprs(eqn):
-    return run.fall_back(eqn, invals, "autocast does not recurse into its body")
+      return _FAMILY_RULES[family](eqn, invals, run)
+    except Exception as err:  # noqa: BLE001 -- whatever fails, the equation runs as traced, loudly
+      reason = str(err) if isinstance(err, (interp.InterpretError, _Unsupported)) else (
+          f"{type(err).__name__}: {err}")
+      return run.fall_back(eqn, invals, reason)
+  rule = cfg.rule(name)
+  if rule == "off" and name not in cfg.rules and name not in ops.TRACED and (
+      interp.has_subjaxprs(eqn)):
+    return run.fall_back(eqn, invals, "autocast does not enter its body")
   dtypes = [_dtype_of(v) if hasattr(v, "dtype") else None for v in invals]
   if not any(d is not None and _is_float(d) for d in dtypes):
     return interp.bind_here(eqn, invals)
@@ -182,10 +195,18 @@ def _eval_eqn(eqn, invals, run: _Run):
   if rule == "float32":
     invals = [_cast(v, _F32) if d is not None and _is_float(d) and d.itemsize < 4 else v
               for v, d in zip(invals, dtypes)]
-    return interp.bind_here(eqn, _promote(invals, _weak(eqn)))
+    return _bind_listed(eqn, _promote(invals, _weak(eqn)))
   if rule == "promote":
-    return interp.bind_here(eqn, _promote(invals, _weak(eqn)))
+    return _bind_listed(eqn, _promote(invals, _weak(eqn)))
   return _bind_off(eqn, invals)
+
+
+def _bind_listed(eqn, invals):
+  """Binds a listed primitive; a body among its parameters (a scatter's combiner) follows its dtype."""
+  floats = [_dtype_of(v) for v in invals if _is_float(_dtype_of(v))]
+  if not interp.subjaxprs(eqn) or floats == [d for d in _traced_dtypes(eqn) if _is_float(d)]:
+    return interp.bind_here(eqn, invals)
+  return interp.bind_here(eqn, invals, interp.with_bodies_at(eqn, _widest(floats)))
 
 
 class _Unsupported(Exception):
@@ -198,6 +219,21 @@ def _weak(eqn):
           for v in eqn.invars]
 
 
+def _requested(eqn) -> Optional[jnp.dtype]:
+  """The result dtype the program asked of a product, or ``None``.
+
+  A ``preferred_element_type`` other than the dtype of the (traced) floating
+  operands is a request: ``lax.dot_general(a16, b16,
+  preferred_element_type=jnp.float32)``. One equal to it is what ``jnp.matmul``
+  and ``jnp.einsum`` write for every product, and no request.
+  """
+  want = eqn.params.get("preferred_element_type")
+  floats = [v.aval.dtype for v in eqn.invars if _is_float(v.aval.dtype)]
+  if want is None or not floats or not _is_float(want) or jnp.dtype(want) == _widest(floats):
+    return None
+  return jnp.dtype(want)
+
+
 def _eval_low(eqn, invals, cfg: _Config):
   low = cfg.dtype
   cast = [_cast(v, low) if _is_float(_dtype_of(v)) and _dtype_of(v) != _F64
@@ -207,84 +243,76 @@ def _eval_low(eqn, invals, cfg: _Config):
   if params.get("preferred_element_type") is not None and all(
       _dtype_of(v) == low for v in cast if _is_inexact(_dtype_of(v))):
     # As jnp.matmul emits for half operands: the accumulation type is the backend's
-    # (float32 on GPU, TPU and CPU), and the backward products stay in half precision.
-    params["preferred_element_type"] = low
+    # (float32 on GPU, TPU and CPU), and the backward products stay in half precision. A
+    # result dtype the program requested is kept: the product returns it.
+    params["preferred_element_type"] = _requested(eqn) or low
   return interp.bind_here(eqn, cast, params)
 
 
-# ---- sub-jaxprs
+# ---- bodies
 
 
-def _jit(eqn, invals, run):
-  parts = interp.jit_parts(eqn)
-
-  def body(*xs):
-    return tuple(_eval_closed(parts.jaxpr, xs, run))
-
-  body.__name__ = parts.name
-  sharding = lambda s: s if isinstance(s, jax.sharding.Sharding) else None
-  in_shardings = tuple(sharding(s) for s in parts.in_shardings)
-  out_shardings = tuple(sharding(s) for s in parts.out_shardings)
-  fn = jax.jit(body, in_shardings=in_shardings if any(in_shardings) else None,
-               out_shardings=out_shardings if any(out_shardings) else None,
-               keep_unused=parts.keep_unused, inline=parts.inline)
-  return list(fn(*invals))
+def _run_body(run: _Run):
+  return lambda body, args: _eval_closed(body, args, run)
 
 
 def _call(eqn, invals, run):
-  return _eval_closed(interp.call_jaxpr(eqn), invals, run)
+  """A call (``jit``, ``checkpoint``): its body interpreted at the types of its arguments."""
+  return interp.enter_call(eqn, invals, _run_body(run))
 
 
-def _checkpoint(eqn, invals, run):
-  parts = interp.remat_parts(eqn)
-  fn = jax.checkpoint(lambda *a: _eval_closed(parts.jaxpr, a, run),
-                      prevent_cse=parts.prevent_cse, policy=parts.policy)
-  return list(fn(*invals))
-
-
-def _cond(eqn, invals, run):
-  branches = interp.cond_branches(eqn)
-  index, *operands = invals
-  out_dtypes = [v.aval.dtype for v in eqn.outvars]
-
-  def branch(closed):
-    def run_branch(*ops_):
-      return tuple(_cast_like(_eval_closed(closed, ops_, run), out_dtypes))
-    return run_branch
-
-  return list(lax.switch(index, [branch(b) for b in branches], *operands))
+def _keeping_types(eqn, invals, run):
+  """``cond`` and ``scan``: the bodies interpreted, taking and returning their traced types."""
+  return interp.enter_keeping_types(eqn, invals, _run_body(run))
 
 
 def _while(eqn, invals, run):
+  """A ``while_loop``: entered when its trip count cannot depend on a floating value.
+
+  A loop whose predicate reads (through the predicate and the body, over the
+  iterations) any floating value, the iterate of a fixed point or a
+  convergence flag computed from one, runs at its traced dtypes: a half
+  precision iterate could change when, or whether, it stops.
+  """
   parts = interp.while_parts(eqn)
-  nc, nb = parts.cond_nconsts, parts.body_nconsts
-  cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
-  carry_dtypes = [v.aval.dtype for v in eqn.outvars]
-
-  def cond_fn(carry):
-    return _eval_closed(parts.cond, [*cond_consts, *carry], run)[0]
-
-  def body_fn(carry):
-    out = _eval_closed(parts.body, [*body_consts, *carry], run)
-    return tuple(_cast_like(out, carry_dtypes))
-
-  return list(lax.while_loop(cond_fn, body_fn, tuple(_cast_like(init, carry_dtypes))))
+  if _float_controlled(parts):
+    return _bind_off(eqn, invals)
+  return _keeping_types(eqn, invals, run)
 
 
-def _scan(eqn, invals, run):
-  parts = interp.scan_parts(eqn)
-  n_consts, n_carry = parts.num_consts, parts.num_carry
-  consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
-                      invals[n_consts + n_carry:])
-  carry_dtypes = [v.aval.dtype for v in eqn.outvars[:n_carry]]
+def _float_controlled(parts) -> bool:
+  """Whether a ``while`` loop's predicate depends on a floating value, in any iteration."""
+  floats, inputs = _dependence(parts.cond, {0})
+  todo = {i - parts.cond_nconsts for i in inputs if i >= parts.cond_nconsts}
+  seen: set = set()
+  while todo and not floats:
+    seen |= todo
+    floats, inputs = _dependence(parts.body, todo)
+    todo = {i - parts.body_nconsts for i in inputs if i >= parts.body_nconsts} - seen
+  return floats
 
-  def body(carry, x):
-    out = _eval_closed(parts.jaxpr, [*consts, *carry, *x], run)
-    return tuple(_cast_like(out[:n_carry], carry_dtypes)), tuple(out[n_carry:])
 
-  carry, ys = lax.scan(body, tuple(_cast_like(init, carry_dtypes)), tuple(xs),
-                       length=parts.length, reverse=parts.reverse, unroll=parts.unroll)
-  return [*carry, *ys]
+def _dependence(closed, outputs) -> Tuple[bool, set]:
+  """Whether the outputs ``outputs`` of a jaxpr involve a floating value, and the inputs they read."""
+  jaxpr = interp.closed(closed).jaxpr
+  needed = {v for i, v in enumerate(jaxpr.outvars) if i in outputs and isinstance(v, interp.Var)}
+  floats = any(_is_float_var(v) for v in needed)
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in needed for v in eqn.outvars):
+      needed.update(v for v in eqn.invars if isinstance(v, interp.Var))
+      floats = floats or _computes_on_floats(eqn)
+  return floats, {i for i, v in enumerate(jaxpr.invars) if v in needed}
+
+
+def _computes_on_floats(eqn) -> bool:
+  """Whether an equation takes or gives a floating value, in its bodies too."""
+  return any(_is_float_var(v) for v in [*eqn.invars, *eqn.outvars]) or any(
+      _computes_on_floats(e) for sub in interp.subjaxprs(eqn) for e in interp.closed(sub).jaxpr.eqns)
+
+
+def _is_float_var(v) -> bool:
+  dtype = getattr(v.aval, "dtype", None)
+  return dtype is not None and _is_float(dtype)
 
 
 def _tangent_zeros(x):
@@ -380,16 +408,19 @@ def _custom_vjp(eqn, invals, run):
     cts = [jax.custom_derivatives.SymbolicZero(a.to_tangent_aval()) if interp.is_zero(ct)
            else _cast(ct, a.dtype) if _is_float(a.dtype) else ct
            for ct, a in zip(cts, parts.call.out_avals)]
-    cts_in = parts.bwd(*residuals, *cts)
+    cts_in, logs = parts.bwd(*residuals, *cts)
     grads = []
     for ct, dtype, is_float in zip(cts_in, in_cast, in_float):
       if interp.is_zero(ct) or not is_float:
         grads.append(None)
       else:
         grads.append(_cast(ct, dtype))
-    return tuple(grads)
+    return (tuple(grads), logs) if with_logs else tuple(grads)
 
-  fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=parts.symbolic_zeros)
+  # From jax 0.12 on a backward rule may log (defvjp_with_logs); its logs are handed on.
+  define = getattr(fn, "defvjp_with_logs", None)
+  with_logs = define is not None
+  (define or fn.defvjp)(fn_fwd, fn_bwd, symbolic_zeros=parts.symbolic_zeros)
   return list(fn(*invals))
 
 
@@ -405,11 +436,9 @@ def _shard_map(eqn, invals, run):
   return list(fn(*invals))
 
 
-_RECURSIVE_RULES = {
-    "jit": _jit, "pjit": _jit, "closed_call": _call, "core_call": _call, "call": _call,
-    "remat": _checkpoint, "remat2": _checkpoint, "checkpoint": _checkpoint,
-    "cond": _cond, "while": _while, "scan": _scan,
-    "custom_jvp_call": _custom_jvp, "custom_vjp_call": _custom_vjp,
+_FAMILY_RULES = {
+    "call": _call, "remat": _call, "cond": _keeping_types, "while": _while,
+    "scan": _keeping_types, "custom_jvp": _custom_jvp, "custom_vjp": _custom_vjp,
     "shard_map": _shard_map,
 }
 
@@ -434,11 +463,18 @@ class _Traced:
 
   def __init__(self, closed, out_tree, cfg: _Config, name: str):
     self.out_tree = out_tree
+    try:
+      interpretation = _Run(cfg, interp.check())
+    except interp.InterpretError as err:
+      warnings.warn(f"jaxamp.autocast cannot interpret jaxprs ({err}); {name} runs at the dtypes "
+                    "it was traced with", AutocastWarning, stacklevel=4)
+      plain = interp.as_function(closed)
 
-    interpretation = _Run(cfg)
-
-    def evaluate(*flat):
-      return _eval_closed(closed, flat, interpretation)
+      def evaluate(*flat):
+        return plain(*flat)
+    else:
+      def evaluate(*flat):
+        return _eval_closed(closed, flat, interpretation)
 
     evaluate.__name__ = self._name = f"autocast_{name}"
     self._evaluate = evaluate
@@ -468,7 +504,6 @@ def _trace(fn, cfg, name, dynamic, static, treedef):
     out_box.append(out_tree)
     return out_leaves
 
-  interp.check()
   try:
     closed = jax.make_jaxpr(flat_fn)(*dynamic)
   except Exception as err:
@@ -484,10 +519,12 @@ class _Autocast:
   """The function returned by :func:`autocast` (equal for equal ``fn`` and options)."""
 
   def __init__(self, fn: Callable[..., Any], cfg: _Config, enabled: bool):
+    # Name and docstring from fn, but not its attributes: an autocast function wrapped again
+    # would take its _fn, _cfg and _enabled.
+    functools.update_wrapper(self, fn, updated=())
     self._fn = fn
     self._cfg = cfg
     self._enabled = enabled
-    functools.update_wrapper(self, fn)
 
   def __eq__(self, other):
     return (type(other) is _Autocast and self._fn == other._fn and self._cfg == other._cfg
@@ -507,7 +544,8 @@ class _Autocast:
 
   def __call__(self, *args, **kwargs):
     if not self._enabled:
-      return self._fn(*args, **kwargs)
+      with jax.named_scope(_DISABLED):  # an enclosing autocast leaves these operations alone
+        return self._fn(*args, **kwargs)
     fn = self._fn
     nnx = sys.modules.get("flax.nnx")  # NNX objects exist only once flax.nnx is imported
     if nnx is not None:
@@ -662,7 +700,9 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
 
   - **low precision** (``dot_general``, ``conv_general_dilated``): floating
     inputs other than float64 are cast to ``dtype``; products accumulate in
-    float32 and return ``dtype``;
+    float32 and return ``dtype``, or the dtype the program requested (a
+    ``preferred_element_type`` other than the operands' dtype, which it
+    keeps);
   - **float32** (``exp``, ``log``, ``log1p``, ``expm1``, ``pow``,
     ``integer_pow``, ``square``, ``sqrt``, ``rsqrt``, ``logistic``,
     ``erf_inv``, ``reduce_sum``, ``cumsum``, ...): 16-bit inputs are cast to
@@ -681,17 +721,26 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
   boolean and key values are never cast.
 
   ``jit``, ``checkpoint``, ``cond``, ``while_loop``, ``scan``, ``shard_map``
-  and ``custom_jvp``/``custom_vjp`` functions are recursed into, keeping
-  their shardings, remat policies and every ``custom_vjp`` pattern JAX allows
+  and ``custom_jvp``/``custom_vjp`` functions are entered, keeping their
+  shardings, remat policies and every ``custom_vjp`` pattern JAX allows
   (forward rules that call the function, residuals that are inputs,
   ``nondiff_argnums``, symbolic zeros). The outputs of ``cond`` and the
-  carries of loops keep their traced dtypes. A ``custom_jvp`` rule is
-  autocast like the function; a ``custom_vjp``'s forward pass is autocast and
-  its backward rule runs as written, on residuals and cotangents cast to the
-  dtypes it was traced with. Each operation keeps its ``named_scope`` and
-  source information. A primitive with a body that autocast does not enter
-  runs at its traced dtypes, and an :class:`AutocastWarning` names it once
-  per trace (an ``'off'`` override for it silences the warning).
+  carries of loops keep their traced dtypes. A ``while_loop`` whose predicate
+  reads a floating value runs at its traced dtypes, so that autocast never
+  changes when a loop stops. A ``custom_jvp`` rule is autocast like the
+  function; a ``custom_vjp``'s forward pass is autocast and its backward rule
+  runs as written, on residuals and cotangents cast to the dtypes it was
+  traced with. Linear solves (``custom_linear_solve``) run at their traced
+  dtypes. Each operation keeps its ``named_scope`` and source information.
+  An equation autocast cannot interpret (a primitive with a body it does not
+  enter, a JAX release that moved what it reads) runs at its traced dtypes,
+  and an :class:`AutocastWarning` names it once per trace (an ``'off'``
+  override for it silences the warning); nothing raises inside ``fn``'s
+  trace for it.
+
+  Inside ``fn``, :func:`autocast_disabled` (or ``autocast(g,
+  enabled=False)``) marks a region whose operations run at their traced
+  dtypes, as ``torch.autocast(enabled=False)`` does.
 
   Flax NNX modules among the arguments (or ``fn`` itself, a method bound to
   one, a ``functools.partial`` of one) have their state split out before the
@@ -703,7 +752,8 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
       traced, every other leaf is static and must be hashable to be cached.
     dtype: the low-precision dtype, ``float16`` (the default, as
       ``torch.autocast("cuda")``) or ``bfloat16``, or its name.
-    enabled: ``False`` returns a function that calls ``fn`` unchanged.
+    enabled: ``False`` returns a function that calls ``fn`` unchanged, an
+      opt-out region inside another autocast (:func:`autocast_disabled`).
     overrides: ``{primitive name or primitive: rule}`` with a rule among
       ``'low'``, ``'float32'``, ``'promote'`` and ``'off'`` (the traced
       dtypes), replacing the default list of that primitive.
@@ -739,3 +789,35 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
     raise TypeError(f"enabled must be a bool, got {enabled!r}")
   cfg = _make_config(dtype, overrides)
   return _Autocast(fn, cfg, bool(enabled))
+
+
+def autocast_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """Returns ``fn`` running at the dtypes it was traced with, inside an autocast region too.
+
+  The opt-out region of ``torch.autocast(enabled=False)`` nested in an
+  autocast region, and the same function as ``autocast(fn, enabled=False)``.
+  Called alone it is ``fn``; called inside a function that
+  :func:`autocast` transforms, every operation of ``fn`` runs as if autocast
+  were not there: its floating inputs are cast back to the dtypes they were
+  traced with (a float16 activation reaching it becomes float32 again), and
+  the program's own casts and dtypes decide. The region is the operations
+  ``fn`` traces, marked by the named scope ``autocast_disabled``; an
+  ``autocast`` called inside it is a region of its own, whose choices are
+  kept.
+
+  Args:
+    fn: the function to leave alone.
+
+  Returns:
+    A function with the signature of ``fn``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> def f(w, x):
+    ...   exact = jaxamp.autocast_disabled(lambda a, b: a @ b)(w, x)  # float32
+    ...   return x @ w, exact
+    >>> fast, exact = jaxamp.autocast(f)(jnp.ones((2, 2)), jnp.ones((2, 2)))
+    >>> fast.dtype, exact.dtype
+    (dtype('float16'), dtype('float32'))
+  """
+  return autocast(fn, enabled=False)

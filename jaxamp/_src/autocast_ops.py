@@ -13,7 +13,10 @@ primitives those ops lower to. A primitive belongs to one of four rules:
 
 Primitives in none of the lists run under ``"off"``; control flow and calls
 (``jit``, ``cond``, ``while``, ``scan``, ``checkpoint``, ``custom_jvp_call``,
-``custom_vjp_call``, ``shard_map``) are recursed into.
+``custom_vjp_call``, ``shard_map``: the families of
+:data:`jaxamp._src.jaxpr_interp.FAMILIES`) are entered. Every name here is the
+name of a primitive in each supported JAX release
+(``tests/test_autocast_rules.py`` checks them against the installed one).
 """
 
 from __future__ import annotations
@@ -64,21 +67,22 @@ PROMOTE = frozenset({
     "reduce_max", "reduce_min", "argmax", "argmin", "cummax", "cummin",
     "reduce_window_max", "reduce_window_min", "top_k", "sort",
     # data movement
-    "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
-    "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "scatter_add",
-    "scatter_mul", "scatter_min", "scatter_max", "concatenate", "pad", "rev", "split",
-    "copy", "copy_p", "convert_element_type", "select_and_scatter_add", "select_and_gather_add",
+    "reshape", "broadcast_in_dim", "transpose", "squeeze", "slice",
+    "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "scatter-add", "scatter-sub",
+    "scatter-mul", "scatter-min", "scatter-max", "concatenate", "pad", "rev", "split",
+    "copy", "convert_element_type", "select_and_scatter_add", "select_and_gather_add",
     # sharding and collectives
-    "sharding_constraint", "mesh_cast", "reshard", "device_put", "pvary", "psum", "pmax",
+    "sharding_constraint", "reshard", "device_put", "pvary", "psum", "pmax",
     "pmin", "psum_invariant", "all_gather", "all_to_all", "ppermute", "reduce_scatter",
     "optimization_barrier", "name",
 })
 
-# Primitives whose sub-jaxprs are interpreted with the same rules.
-RECURSED = frozenset({
-    "jit", "pjit", "closed_call", "core_call", "call", "remat", "remat2", "checkpoint",
-    "cond", "while", "scan", "custom_jvp_call", "custom_vjp_call", "shard_map",
-})
+# Primitives with a body that run at their traced dtypes on purpose, without a warning:
+# custom_linear_solve (jnp.linalg.solve, jax.scipy.linalg.cho_solve, solves with a
+# custom transpose). A linear solve amplifies its inputs' rounding by the matrix's condition
+# number, and its inner product is one JAX asks for at full precision (precision=HIGHEST);
+# like the linear algebra primitives, in no list, it keeps the precision it was written in.
+TRACED = frozenset({"custom_linear_solve"})
 
 
 def default_rule(name: str) -> str:

@@ -5,7 +5,7 @@ oldest, ``.ci/run`` the newest). Where the public API changed within that
 range, this module picks what the installed JAX offers, once, at import:
 
 =============================  ==========================  ===========================
-what                           jax 0.7.1 (the floor)       jax 0.10.2 (the newest)
+what                           jax 0.7.1 (the floor)       jax 0.10.2 to 0.12.0.1
 =============================  ==========================  ===========================
 :func:`full` with a sharding   ``jnp.full``, then          ``jnp.full(...,
                                ``jax.sharding.reshard``    out_sharding=...)``
@@ -22,22 +22,26 @@ between takes whichever spelling it has: jax 0.8.3, say, takes the floor's
 column except for ``lax.pcast``, which it has. The parameter that names a
 ``shard_map``'s manual axes (``manual_axes`` up to 0.8.x, ``newly_manual_axes``
 later) is read in :mod:`jaxamp._src.jaxpr_interp`, with the other parameter
-names. The rest is the same on every supported release and needs nothing
-here: ``jax.shard_map`` with ``check_vma``, ``jax.typeof(x).vma``,
-``jax.sharding.AxisType``, and the other internals that
+names it reads (the custom rules', ``shard_map``'s); ``cond``, ``while``,
+``scan`` and the calls are interpreted there without reading any. The rest is
+the same on every supported release and needs nothing here: ``jax.shard_map``
+with ``check_vma``, ``jax.typeof(x).vma``, ``jax.sharding.AxisType``, and the
+other internals that
 :mod:`jaxamp._src.jaxpr_interp` reads (the equation's ``ctx`` and
 ``source_info``, ``jax.extend.source_info_util``). One more difference is no
 name: older releases keep some jaxpr literals as Python scalars, so autocast
 reads a value's dtype with ``jax.typeof`` rather than ``.dtype``.
 
-Which path runs: on every release from 0.7.1 to 0.10.2 the fused selection
+Which path runs: on every release from 0.7.1 to 0.12.0.1 the fused selection
 (:func:`jaxamp._src.selective_update.select_update`) and
 :func:`jaxamp.autocast` interpret the jaxpr (the fast path). On a release that
-moves one of the internals they read, :func:`jaxamp._src.jaxpr_interp.check`
-(which also binds a small program again) raises ``InterpretError``: the fused
+moves what binding an equation again needs,
+:func:`jaxamp._src.jaxpr_interp.check` raises ``InterpretError``: the fused
 selection then warns once and takes the plain selection (every update
 computed, then selected with ``where``; no internals, sound on every release),
-and ``autocast`` refuses with that error. This module only picks a name or
+and ``autocast`` warns and runs the function at its traced dtypes. A family of
+primitives that ``check`` finds moved runs at its traced dtypes, with a
+warning naming it. This module only picks a name or
 normalises a return value; :mod:`jaxamp._src.jaxpr_interp` stays the one
 module that reads JAX's internals, and takes :data:`DropVar`,
 :func:`bind_params` and :func:`jaxprs_in_params` from here.

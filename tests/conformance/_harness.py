@@ -14,6 +14,9 @@ runs them all, sharing the compiled functions between the assertions:
   cotangent, as it does under PyTorch's GradScaler);
 - every matmul and convolution of the autocast program takes ``dtype`` inputs,
   and every precision-sensitive op (exp, log, sums, square roots) float32 ones;
+  those of the regions autocast leaves at their traced dtypes (a ``while`` loop
+  whose predicate reads a floating value, an ``autocast_disabled`` region) take
+  float32 ones, when the case has such a region;
 - the jitted step with ``jaxamp.dynamic_loss_scale`` lowers the loss on a
   fixed batch;
 - a batch holding a NaN is skipped: parameters, the inner optimizer state and
@@ -33,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
+from jaxamp._src import jaxpr_interp
 from tests import _optax
 
 #: Relative L2 error of the autocast gradients against float32's, over all leaves. float16 keeps
@@ -79,6 +83,7 @@ class Case:
   has_stats: bool = False
   low_ops: tuple = MATMUL
   rule_sees_scale: bool = False  # a backward rule not linear in its cotangent (a clip)
+  kept: tuple = ()  # regions whose matmuls stay float32: "while", "autocast_disabled"
 
 
 def sub_jaxprs(value: Any):
@@ -92,13 +97,19 @@ def sub_jaxprs(value: Any):
       yield from sub_jaxprs(v)
 
 
-def equations(jaxpr: Any):
-  """Every equation of ``jaxpr`` and of the jaxprs nested in it."""
+def equations(jaxpr: Any, kept: tuple = (), inside: bool = False):
+  """``(eqn, inside)`` for every equation of ``jaxpr`` and of the jaxprs nested in it.
+
+  ``inside`` says whether the equation lies in one of the ``kept`` regions: the
+  body of a ``while`` equation, the named scope ``autocast_disabled``.
+  """
   for eqn in jaxpr.eqns:
-    yield eqn
+    here = inside or ("autocast_disabled" in kept
+                      and jaxpr_interp.in_scope(eqn, "autocast_disabled"))
+    yield eqn, here
     for value in eqn.params.values():
       for sub in sub_jaxprs(value):
-        yield from equations(sub)
+        yield from equations(sub, kept, here or ("while" in kept and eqn.primitive.name == "while"))
 
 
 def _float_in_dtypes(eqn: Any) -> set:
@@ -107,19 +118,28 @@ def _float_in_dtypes(eqn: Any) -> set:
 
 
 def check_op_dtypes(loss: Callable, params: Any, batch: Any, dtype: Any,
-                    low_ops: tuple = MATMUL) -> None:
-  """Matmuls/convolutions in ``dtype``, precision-sensitive ops in float32, in the autocast jaxpr."""
+                    low_ops: tuple = MATMUL, kept: tuple = ()) -> None:
+  """Matmuls/convolutions in ``dtype``, precision-sensitive ops in float32, in the autocast jaxpr.
+
+  In the ``kept`` regions the matmuls are float32, and there is one at least.
+  """
   jaxpr = jax.make_jaxpr(jaxamp.autocast(loss, dtype))(params, batch).jaxpr
   seen = {name: 0 for name in low_ops}
-  for eqn in equations(jaxpr):
+  in_kept = 0
+  for eqn, inside in equations(jaxpr, kept):
     name = eqn.primitive.name
     dtypes = _float_in_dtypes(eqn)
     if name in LOW_OPS and dtypes:
-      assert dtypes == {jnp.dtype(dtype)}, f"{name} ran in {dtypes}: {eqn}"
-      seen[name] = seen.get(name, 0) + 1
+      want = jnp.dtype(jnp.float32) if inside else jnp.dtype(dtype)
+      assert dtypes == {want}, f"{name} ran in {dtypes}: {eqn}"
+      if inside:
+        in_kept += 1
+      else:
+        seen[name] = seen.get(name, 0) + 1
     if name in FLOAT32_OPS and dtypes:
       assert dtypes == {jnp.dtype(jnp.float32)}, f"{name} ran in {dtypes}: {eqn}"
   assert all(seen[name] for name in low_ops), f"expected {low_ops} in the program, saw {seen}"
+  assert in_kept or not kept, f"no matmul in the regions {kept}"
 
 
 def _flat(tree: Any) -> np.ndarray:
@@ -140,7 +160,7 @@ _reference_grads: dict = {}
 def check(case: Case, dtype: Any, name: str) -> None:
   """Runs every check on ``case`` in ``dtype`` (see the module notes)."""
   dtype = jnp.dtype(dtype)
-  check_op_dtypes(case.loss, case.params, case.batch, dtype, case.low_ops)
+  check_op_dtypes(case.loss, case.params, case.batch, dtype, case.low_ops, case.kept)
 
   # The first step's unscaled gradients: float32, close to float32's.
   trainer = case.trainer(dtype)

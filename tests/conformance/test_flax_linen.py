@@ -3,8 +3,9 @@
 A decoder-only Transformer LM as the lm1b example writes one (embeddings,
 causal self-attention, pre-norm MLP blocks, weighted cross-entropy), a small
 ResNet with BatchNorm trained with ``jaxamp.TrainState`` and ``batch_stats``,
-LSTMs with ``nn.RNN`` and with ``nn.scan``, and a layer stack built with
-``nn.scan(nn.remat(...))``; each through the checks of ``_harness``.
+LSTMs with ``nn.RNN`` and with ``nn.scan``, a layer stack built with
+``nn.scan(nn.remat(...))``, and a top-k mixture of experts combined with
+``jax.ops.segment_sum``; each through the checks of ``_harness``.
 """
 
 from __future__ import annotations
@@ -276,12 +277,67 @@ def _scan_remat_case():
           lambda p, b, s: (loss(p, b), s), params, {}, dtype))
 
 
+# --------------------------------------------- a top-k mixture of experts, combined by segment_sum
+
+
+class MoE(nn.Module):
+  """Top-k routing: each token goes to its ``k`` likeliest experts; ``segment_sum`` combines."""
+
+  experts: int = 4
+  k: int = 2
+  hidden: int = 32
+
+  @nn.compact
+  def __call__(self, x):  # x: (tokens, features)
+    n, d = x.shape
+    probs = jax.nn.softmax(nn.Dense(self.experts, name="router")(x).astype(jnp.float32))
+    gate, expert = jax.lax.top_k(probs, self.k)
+    gate = (gate / jnp.sum(gate, axis=-1, keepdims=True)).reshape(-1)
+    expert = expert.reshape(-1)
+    token = jnp.repeat(jnp.arange(n), self.k)  # the token of each (token, expert) pair
+    init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1,
+                                            out_axis=2, batch_axis=(0,))
+    w_in = self.param("w_in", init, (self.experts, d, self.hidden))
+    w_out = self.param("w_out", init, (self.experts, self.hidden, d))
+    h = nn.gelu(jnp.einsum("pd,pdh->ph", x[token], w_in[expert]))
+    y = jnp.einsum("ph,phd->pd", h, w_out[expert]) * gate[:, None]
+    combined = jax.ops.segment_sum(y, token, num_segments=n)
+    # The load-balancing loss of Switch Transformers: fraction of pairs per expert times the
+    # mean router probability, summed.
+    load = jax.ops.segment_sum(jnp.ones_like(gate), expert, num_segments=self.experts) / gate.size
+    return combined, self.experts * jnp.sum(load * jnp.mean(probs, axis=0))
+
+
+class MoEClassifier(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(DIM)(x)
+    moe, balance = MoE()(nn.LayerNorm()(h))
+    return nn.Dense(4)(h + moe), balance
+
+
+def _moe_case():
+  model = MoEClassifier()
+  params = model.init(KEY, X)["params"]
+
+  def loss(params, batch):
+    x, labels = batch
+    logits, balance = model.apply({"params": params}, x)
+    return _xent(logits, labels) + 0.01 * balance
+
+  return _harness.Case(
+      loss=loss, params=params, batch=(X, LABELS), nan_batch=(_harness.nan_like(X), LABELS),
+      trainer=lambda dtype: _harness.FunctionalTrainer(
+          lambda p, b, s: (loss(p, b), s), params, {}, dtype))
+
+
 CASES = {
     "transformer_lm": _lm_case,
     "resnet_batchnorm_train_state": _resnet_case,
     "lstm_nn_rnn": lambda: _rnn_case(False),
     "lstm_nn_scan": lambda: _rnn_case(True),
     "scan_remat_stack": _scan_remat_case,
+    "top_k_mixture_of_experts_segment_sum": _moe_case,
 }
 
 

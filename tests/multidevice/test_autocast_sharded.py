@@ -42,7 +42,7 @@ def test_autocast_inside_and_around_shard_map(auto_mesh):
   sharded = jax.shard_map(local_loss, mesh=auto_mesh, in_specs=(P(), P("data"), P("data")),
                           out_specs=P())
   ref_loss, ref_grads = jax.value_and_grad(_problem.loss)(params, x, y)
-  for fn in (jaxamp.autocast(sharded),  # autocast around shard_map: recursed into
+  for fn in (jaxamp.autocast(sharded),  # autocast around shard_map: entered
              jax.shard_map(jaxamp.autocast(local_loss), mesh=auto_mesh,
                            in_specs=(P(), P("data"), P("data")), out_specs=P())):
     loss, grads = jax.jit(jax.value_and_grad(fn))(params, x, y)
