@@ -219,6 +219,27 @@ def test_products_inside_scan_and_remat_run_on_float8():
   assert _rel_err(grads, want) < 0.15
 
 
+def test_scopes_reach_into_the_bodies_jax_traces_with_name_stacks_of_their_own():
+  # JAX traces a scan's and a jit's body with a fresh name stack: the rule sees the outer names.
+  ws = _normal(KEYS[1], (2, 32, 32), 32**-0.5)
+
+  def loss(ws, x):
+    with jax.named_scope("encoder"):
+      h, _ = lax.scan(lambda h, w: (jax.jit(lambda h, w: jnp.tanh(h @ w))(h, w), None), x, ws)
+    with jax.named_scope("decoder"):
+      h = jnp.tanh(h @ ws[0])
+    return jnp.mean(jnp.square(h.astype(F32)))
+
+  seen = []
+  rule = jaxamp.Fp8Rule(min_dim=16, exclude=(lambda site: seen.append(site.scope) or False,
+                                             "encoder"))
+  products = _products(jax.grad(jaxamp.autocast(loss, jnp.float8_e4m3fn, fp8=rule)), ws, X)
+  assert seen == ["autocast_loss/encoder", "autocast_loss/decoder"]
+  # The decoder's product and its two gradients in float8; the encoder's in bfloat16.
+  assert sum(None not in p[1] for p in products) == 3, products
+  assert sum(p[1] == (None, None) for p in products) == 3, products
+
+
 def test_the_forward_convolution_runs_on_dequantized_float8():
   x, k = _normal(KEYS[0], (4, 8, 8, 16)), _normal(KEYS[1], (3, 3, 16, 16), 0.2)
   f = jaxamp.autocast(
