@@ -88,14 +88,16 @@ def lm_loss(params, tokens, heads: int = 4):
   mask = jnp.tril(jnp.ones((t, t), bool))
   for name in sorted(k for k in params if k.startswith("block_")):
     p = params[name]
-    q, k, v = jnp.split(_norm(h, p["ln1"]) @ p["qkv"], 3, axis=-1)
-    split = lambda x: x.reshape(b, t, heads, d // heads)  # noqa: E731
-    logits = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / np.sqrt(d // heads)
-    logits = jnp.where(mask, logits.astype(jnp.float32), -1e9)
-    attn = jax.nn.softmax(logits, axis=-1).astype(h.dtype)
-    h = h + jnp.einsum("bhqk,bkhd->bqhd", attn, split(v)).reshape(b, t, d) @ p["out"]
-    h = h + jax.nn.gelu(_norm(h, p["ln2"]) @ p["up"] + p["up_bias"]) @ p["down"]
-  logits = (_norm(h, params["final_scale"]) @ params["embed"].T).astype(jnp.float32)
+    with jax.named_scope(name):  # names for fp8 autocast's exclusions (bench_fp8_autocast.py)
+      q, k, v = jnp.split(_norm(h, p["ln1"]) @ p["qkv"], 3, axis=-1)
+      split = lambda x: x.reshape(b, t, heads, d // heads)  # noqa: E731
+      logits = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / np.sqrt(d // heads)
+      logits = jnp.where(mask, logits.astype(jnp.float32), -1e9)
+      attn = jax.nn.softmax(logits, axis=-1).astype(h.dtype)
+      h = h + jnp.einsum("bhqk,bkhd->bqhd", attn, split(v)).reshape(b, t, d) @ p["out"]
+      h = h + jax.nn.gelu(_norm(h, p["ln2"]) @ p["up"] + p["up_bias"]) @ p["down"]
+  with jax.named_scope("head"):
+    logits = (_norm(h, params["final_scale"]) @ params["embed"].T).astype(jnp.float32)
   targets = tokens[:, 1:]
   return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
       logits, targets[..., None], -1)[..., 0])

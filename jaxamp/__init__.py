@@ -24,6 +24,8 @@ from jaxamp._src.finite import all_finite
 from jaxamp._src.fp8 import OverwriteWithGradientState
 from jaxamp._src.fp8 import apply_updates
 from jaxamp._src.fp8 import overwrite_with_gradient
+from jaxamp._src.fp8_autocast import Fp8Rule
+from jaxamp._src.fp8_autocast import Fp8Site
 from jaxamp._src.policy import Policy
 from jaxamp._src.policy import get_policy
 from jaxamp._src.policy import mixed_precision
@@ -60,6 +62,8 @@ __all__ = (
     "ClipGradNormState",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
+    "Fp8Rule",
+    "Fp8Site",
     "GradScaler",
     "LossScaleState",
     "LowPrecisionState",

@@ -34,6 +34,7 @@ _LONGEST_FIRST = [
     "tests/conformance/test_equinox.py",
     "tests/conformance/test_pure_jax.py",
     "tests/conformance/test_flax_nnx.py",
+    "tests/conformance/test_fp8_autocast.py",
     "tests/test_docs.py",
     "tests/test_bench_low_precision.py",
 ]

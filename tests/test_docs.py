@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(
 PUBLIC_MODULES = ("jaxamp", "jaxamp.paddle", "jaxamp.nnx")
 
 # Pages whose ``python`` code blocks are run, in order, in one namespace per page.
-RUNNABLE_PAGES = ("getting-started.md", "concepts.md", "flax.md", "autocast.md")
+RUNNABLE_PAGES = ("getting-started.md", "concepts.md", "flax.md", "autocast.md",
+                  "fp8-autocast.md")
 
 
 def _build(config: pathlib.Path, site_dir: pathlib.Path) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ LAYERS = [
     ["compat"],
     ["validation", "sharding", "numerics", "autocast_ops", "jaxpr_interp",
      "facade.errors", "facade.mmengine.sharding_pins"],
-    ["outside", "policy"],
+    ["outside", "policy", "fp8_autocast"],
     ["state", "finite", "autocast", "facade.mmengine.trees"],
     ["selective_update", "clipping", "fp8", "low_precision", "facade.scaled_loss"],
     ["loss_scale", "accumulation", "microbatch", "train_state", "nnx_optimizer", "deprecated"],

@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src import autocast_ops as ops
+from jaxamp._src import fp8_autocast
 from jaxamp._src import jaxpr_interp as interp
 from jaxamp._src import policy as policy_lib
 
@@ -32,6 +33,7 @@ _CACHE_SIZE = 256
 class _Config:
   dtype: jnp.dtype
   overrides: Tuple[Tuple[str, str], ...]
+  fp8: Optional[fp8_autocast.Fp8Rule] = None  # fp8 autocast (dtype is then bfloat16)
 
   @functools.cached_property
   def rules(self) -> dict:
@@ -51,11 +53,17 @@ def _primitive_name(key: Any) -> str:
                   f"primitives, got {key!r}")
 
 
-def _make_config(dtype: Any, overrides: Optional[Mapping[Any, str]]) -> _Config:
+def _make_config(dtype: Any, overrides: Optional[Mapping[Any, str]], fp8: Any = None) -> _Config:
+  fp8_rule = None
+  if fp8_autocast.requested(dtype):
+    dtype, fp8_rule = jnp.bfloat16, fp8_autocast.check_rule(fp8)
+  elif fp8 is not None:
+    raise ValueError(f"fp8 applies to fp8 autocast, autocast(fn, jnp.float8_e4m3fn), not to "
+                     f"dtype {dtype!r}")
   dtype = policy_lib.canonical_dtype(dtype, "dtype")
   if dtype not in _LOW_DTYPES:
-    raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}; for full precision "
-                     "pass enabled=False")
+    raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}; for full precision pass "
+                     "enabled=False, for fp8 autocast float8_e4m3fn (its gradients are float8_e5m2)")
   if overrides is None:
     overrides = {}
   if not isinstance(overrides, Mapping):
@@ -70,7 +78,7 @@ def _make_config(dtype: Any, overrides: Optional[Mapping[Any, str]]) -> _Config:
       raise ValueError(f"overrides[{name!r}] must be 'off' ({name} is entered and its "
                        f"own operations follow their rules), got {rule!r}")
     items[name] = rule
-  return _Config(dtype, tuple(sorted(items.items())))
+  return _Config(dtype, tuple(sorted(items.items())), fp8_rule)
 
 
 # ----------------------------------------------------------------------------- dtype helpers
@@ -246,6 +254,10 @@ def _eval_low(eqn, invals, cfg: _Config):
     # (float32 on GPU, TPU and CPU), and the backward products stay in half precision. A
     # result dtype the program requested is kept: the product returns it.
     params["preferred_element_type"] = _requested(eqn) or low
+  if cfg.fp8 is not None:
+    site = fp8_autocast.site(eqn)
+    if site is not None and cfg.fp8.chooses(site):
+      return fp8_autocast.product(eqn, invals, params, low)
   return interp.bind_here(eqn, cast, params)
 
 
@@ -329,9 +341,19 @@ def _closed_over(kind: str):
                       "jax.closure_convert")
 
 
+def _without_fp8(run: _Run) -> _Run:
+  """``run`` with its products in bfloat16: fp8 products (``custom_vjp``) cannot be transposed."""
+  if run.cfg.fp8 is None:
+    return run
+  inner = _Run(dataclasses.replace(run.cfg, fp8=None))
+  inner.warned = run.warned
+  return inner
+
+
 def _custom_jvp(eqn, invals, run):
   """A ``custom_jvp`` function rebuilt as one whose function and rule are both autocast."""
   parts = interp.custom_jvp_parts(eqn)
+  run = _without_fp8(run)  # JAX transposes the rule's tangents
   if parts.num_consts:
     raise _closed_over("custom_jvp")
   # The tangents the rule sees as symbolic zeros: none, as in JAX, unless it asked for them;
@@ -534,8 +556,10 @@ class _Autocast:
     return hash((_Autocast, self._fn, self._cfg, self._enabled))
 
   def __repr__(self):
-    return (f"autocast({self._fn!r}, dtype={self._cfg.dtype.name}, enabled={self._enabled}"
-            f"{', overrides=' + repr(dict(self._cfg.overrides)) if self._cfg.overrides else ''})")
+    cfg = self._cfg
+    dtype = cfg.dtype.name if cfg.fp8 is None else f"float8_e4m3fn, fp8={cfg.fp8!r}"
+    return (f"autocast({self._fn!r}, dtype={dtype}, enabled={self._enabled}"
+            f"{', overrides=' + repr(dict(cfg.overrides)) if cfg.overrides else ''})")
 
   def __get__(self, obj, objtype=None):
     if obj is None:
@@ -689,7 +713,8 @@ def _call_with_graph_nodes(nnx, cfg: _Config, fn, leaves, treedef, where):
 
 
 def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool = True,
-             overrides: Optional[Mapping[Union[str, Any], str]] = None) -> Callable[..., Any]:
+             overrides: Optional[Mapping[Union[str, Any], str]] = None,
+             fp8: Optional[fp8_autocast.Fp8Rule] = None) -> Callable[..., Any]:
   """Returns ``fn`` running each operation in the dtype ``torch.autocast`` would choose.
 
   ``fn`` is traced to a jaxpr once per input structure, shape and dtype (and
@@ -747,16 +772,32 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
   trace and written back after it, as ``nnx.jit`` does, so batch statistics
   and RNG counts update as without autocast.
 
+  **fp8 autocast**, ``dtype=jnp.float8_e4m3fn``: everything runs as with
+  ``bfloat16``, except the matrix products and convolutions that ``fp8`` (an
+  :class:`Fp8Rule`) chooses. Their operands are quantized to
+  float8_e4m3fn and the gradient reaching them to float8_e5m2, each with a
+  per-tensor power-of-two scale computed from its largest magnitude in the
+  same call (current scaling: no state), in the form XLA's GPU compiler turns
+  into float8 GEMMs. A non-finite operand or gradient makes the product's
+  result or gradients NaN, so that the loss scaler skips the step. Products
+  inside a ``custom_jvp`` function (its function and its rule) stay in
+  bfloat16, since JAX transposes the rule; forward-mode differentiation
+  (``jax.jvp``) of a float8 product is refused, as for any ``custom_vjp``.
+
   Args:
     fn: the function to transform; its array arguments (pytrees of them) are
       traced, every other leaf is static and must be hashable to be cached.
     dtype: the low-precision dtype, ``float16`` (the default, as
-      ``torch.autocast("cuda")``) or ``bfloat16``, or its name.
+      ``torch.autocast("cuda")``), ``bfloat16`` or ``float8_e4m3fn`` (fp8
+      autocast), or its name (also ``'fp8'``).
     enabled: ``False`` returns a function that calls ``fn`` unchanged, an
       opt-out region inside another autocast (:func:`autocast_disabled`).
     overrides: ``{primitive name or primitive: rule}`` with a rule among
       ``'low'``, ``'float32'``, ``'promote'`` and ``'off'`` (the traced
       dtypes), replacing the default list of that primitive.
+    fp8: for fp8 autocast, the :class:`Fp8Rule` choosing the products run in
+      float8 (by default ``Fp8Rule()``: sizes of at least 1024, multiples of
+      16).
 
   Returns:
     A function with the signature of ``fn``. Two calls of ``autocast`` with
@@ -764,11 +805,13 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
     wrapped anew each step does not make ``jax.jit`` compile again.
 
   Raises:
-    ValueError: for a ``dtype`` other than float16 or bfloat16, or an
-      unknown rule in ``overrides``; when called, for a function that reads
-      an NNX module from outside its arguments or changes the structure of
-      one.
-    TypeError: for a ``dtype`` or ``overrides`` key that is not one.
+    ValueError: for a ``dtype`` other than float16, bfloat16 or
+      float8_e4m3fn, an unknown rule in ``overrides``, or an ``fp8`` rule
+      with another dtype than float8_e4m3fn; when called, for a function
+      that reads an NNX module from outside its arguments or changes the
+      structure of one.
+    TypeError: for a ``dtype`` or ``overrides`` key that is not one, or an
+      ``fp8`` that is not an :class:`Fp8Rule`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxamp
@@ -787,7 +830,7 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16, *, enabled: bool 
     raise TypeError(f"fn must be callable, got {fn!r}")
   if not isinstance(enabled, (bool, np.bool_)):
     raise TypeError(f"enabled must be a bool, got {enabled!r}")
-  cfg = _make_config(dtype, overrides)
+  cfg = _make_config(dtype, overrides, fp8)
   return _Autocast(fn, cfg, bool(enabled))
 
 

@@ -36,6 +36,7 @@ reason. Autocast runs those at their traced dtypes, with a warning naming them.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import jax
@@ -125,13 +126,29 @@ def out_avals(jaxpr: Any) -> list:
   return [v.aval for v in closed(jaxpr).jaxpr.outvars]
 
 
+_entered = threading.local()  # .stacks: the full name stacks of the contexts entered
+
+
 @contextlib.contextmanager
 def context(eqn: Any) -> Iterator[None]:
   """The context ``eqn`` was traced in: its name stack, traceback, mesh and compute type."""
   info = eqn.source_info
   name_stack = _source_info.current_name_stack() + info.name_stack
-  with _source_info.user_context(info.traceback, name_stack=name_stack), eqn.ctx.manager:
-    yield
+  # JAX traces the body of a scan, a cond, a jit... with a name stack of its own: the full one
+  # is the enclosing equation's, then this one's.
+  stacks = _entered.__dict__.setdefault("stacks", [])
+  stacks.append(stacks[-1] + info.name_stack if stacks else name_stack)
+  try:
+    with _source_info.user_context(info.traceback, name_stack=name_stack), eqn.ctx.manager:
+      yield
+  finally:
+    stacks.pop()
+
+
+def name_stack() -> str:
+  """The full name stack of the equation being evaluated (outermost names first), as text."""
+  stacks = getattr(_entered, "stacks", None)
+  return str(stacks[-1] if stacks else _source_info.current_name_stack())
 
 
 def in_scope(eqn: Any, name: str) -> bool:

@@ -13,10 +13,12 @@ runs them all, sharing the compiled functions between the assertions:
   loss times the first step's scale, divided by it: the rule sees the scaled
   cotangent, as it does under PyTorch's GradScaler);
 - every matmul and convolution of the autocast program takes ``dtype`` inputs,
-  and every precision-sensitive op (exp, log, sums, square roots) float32 ones;
-  those of the regions autocast leaves at their traced dtypes (a ``while`` loop
-  whose predicate reads a floating value, an ``autocast_disabled`` region) take
-  float32 ones, when the case has such a region;
+  and every precision-sensitive op (exp, log, sums, square roots) float32 ones
+  (in fp8 autocast, ``dtype`` float8_e4m3fn, the products take bfloat16 inputs
+  dequantized from float8); those of the regions autocast leaves at their
+  traced dtypes (a ``while`` loop whose predicate reads a floating value, an
+  ``autocast_disabled`` region) take float32 ones, when the case has such a
+  region;
 - the jitted step with ``jaxamp.dynamic_loss_scale`` lowers the loss on a
   fixed batch;
 - a batch holding a NaN is skipped: parameters, the inner optimizer state and
@@ -40,8 +42,11 @@ from jaxamp._src import jaxpr_interp
 from tests import _optax
 
 #: Relative L2 error of the autocast gradients against float32's, over all leaves. float16 keeps
-#: 11 significant bits, bfloat16 8; each matmul rounds its inputs and its output once.
-GRAD_TOL = {jnp.dtype(jnp.float16): 2e-2, jnp.dtype(jnp.bfloat16): 1e-1}
+#: 11 significant bits, bfloat16 8; each matmul rounds its inputs and its output once. fp8
+#: autocast rounds the operands to 4 significant bits (e4m3) and the gradients to 3 (e5m2): the
+#: conformance models, every product in float8, measure 0.06 to 0.25.
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+GRAD_TOL = {jnp.dtype(jnp.float16): 2e-2, jnp.dtype(jnp.bfloat16): 1e-1, FP8: 0.3}
 LOW_OPS = ("dot_general", "conv_general_dilated")
 MATMUL = ("dot_general",)
 CONV = ("dot_general", "conv_general_dilated")
@@ -125,12 +130,15 @@ def check_op_dtypes(loss: Callable, params: Any, batch: Any, dtype: Any,
   """
   jaxpr = jax.make_jaxpr(jaxamp.autocast(loss, dtype))(params, batch).jaxpr
   seen = {name: 0 for name in low_ops}
+  low = jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == FP8 else jnp.dtype(dtype)
+  if low != jnp.dtype(dtype):
+    assert any(v.aval.dtype == FP8 for e, _ in equations(jaxpr) for v in e.outvars), "no float8"
   in_kept = 0
   for eqn, inside in equations(jaxpr, kept):
     name = eqn.primitive.name
     dtypes = _float_in_dtypes(eqn)
     if name in LOW_OPS and dtypes:
-      want = jnp.dtype(jnp.float32) if inside else jnp.dtype(dtype)
+      want = jnp.dtype(jnp.float32) if inside else low
       assert dtypes == {want}, f"{name} ran in {dtypes}: {eqn}"
       if inside:
         in_kept += 1
