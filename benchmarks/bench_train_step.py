@@ -29,7 +29,7 @@ dominates). ``--clip`` puts ``optax.clip_by_global_norm(1.0)`` before adamw.
 Ratios are to ``plain_f16``; ``--cost`` adds XLA's compiled temporary bytes
 of the one-jit variants, as a multiple of the parameter bytes.
 
-Run: ``python benchmarks/bench_train_step.py [--regime compute|update] [--dtype bfloat16]``.
+Run: ``python benchmarks/bench_train_step.py [--regime compute|update] [--dtype bfloat16] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
 from benchmarks.bench_loss_scale import INIT_SCALE, with_apply_if_finite  # noqa: E402
-from benchmarks.common import device_summary, interleaved_medians, print_ratios  # noqa: E402
+from benchmarks.common import (device_summary, interleaved_medians,  # noqa: E402
+                               print_ratios)
+from benchmarks.record import add_json_args, write_json  # noqa: E402
 
 REGIMES = {"compute": (8, 128), "update": (1, 16)}
 
@@ -306,6 +308,7 @@ def main(argv=None) -> None:
   parser.add_argument("--rounds", type=int, default=15)
   parser.add_argument("--inner", type=int, default=3)
   parser.add_argument("--cost", action="store_true", help="also print compiled temporary bytes")
+  add_json_args(parser)
   args = parser.parse_args(argv)
 
   dtype = jnp.dtype(args.dtype)
@@ -323,14 +326,19 @@ def main(argv=None) -> None:
   steps.update({name: loop(inner, dtype, params, tokens) for name, loop in FACADES.items()})
   medians = interleaved_medians(steps, rounds=args.rounds, inner=args.inner)
   print(f"\nmedian time of plain_f16: {medians['plain_f16'] * 1e3:.2f} ms")
-  print_ratios(medians, "plain_f16", f"Whole train step, {args.regime}-bound")
+  results = {"regime": args.regime, "dtype": args.dtype, "clip": args.clip, "params": n,
+             "step": print_ratios(medians, "plain_f16", f"Whole train step, {args.regime}-bound")}
   if args.cost:
     param_bytes = 4.0 * n
     print("\nCompiled temporaries, in parameter bytes:")
+    results["temp_param_bytes"] = {}
     for name, run in steps.items():
       temps = temp_bytes(run)
       shown = "several programs" if temps is None else f"{temps / param_bytes:6.2f}x"
       print(f"  {name:<20} {shown}")
+      if temps is not None:
+        results["temp_param_bytes"][name] = temps / param_bytes
+  write_json(args.json, results, args.append)
 
 
 if __name__ == "__main__":
