@@ -360,6 +360,14 @@ def print_xla_seconds(medians: Dict[str, Dict[str, float]], width: int, top: int
         f"{m.get(c, 0.0):9.0f} " if c == "kernels" else f"{m.get(c, 0.0):9.3f} " for c in columns))
 
 
+def _kept(medians: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, float]]:
+  """What ``--json`` keeps of the medians: the phases, XLA's totals and its passes that take 1% or
+  more of its HLO passes' time (of the hundred or so it times)."""
+  return {name: {k: v for k, v in m.items()
+                 if not k.startswith("pass ") or v >= 0.01 * m.get("HLO passes", 0.0)}
+          for name, m in medians.items()}
+
+
 def fresh(loss: Callable, cast: bool) -> Callable[[], Callable]:
   """A function that returns ``loss``, or with ``cast`` a new ``autocast`` of it each time (its
   trace cache keys on the function, so each timing then pays for the interpretation)."""
@@ -406,7 +414,7 @@ def main(argv=None) -> None:
       medians, counts = measure(variants, inner, fresh(loss, cast), params, batch, args.repeats)
       print_table(f"{n} leaves of 64 x 64, autocast {'on' if cast else 'off'}", medians, counts,
                   args.hlo)
-      problems.append({"problem": f"{n} leaves", "autocast": cast, "medians": medians,
+      problems.append({"problem": f"{n} leaves", "autocast": cast, "medians": _kept(medians),
                        "counts": counts})
     if args.lm:
       params, batch, loss = lm_problem()
@@ -417,7 +425,8 @@ def main(argv=None) -> None:
                                   inner, make_loss, params, batch, args.repeats)
       print_table(f"LM step ({sum(p.size for p in jax.tree.leaves(params)):,} params, 8 x 128), "
                   f"{'autocast' if cast else 'whole float16 cast'}", medians, counts, args.hlo)
-      problems.append({"problem": "LM", "autocast": cast, "medians": medians, "counts": counts})
+      problems.append({"problem": "LM", "autocast": cast, "medians": _kept(medians),
+                       "counts": counts})
   write_json(args.json, {"clip": args.clip, "repeats": args.repeats,
                          "clock": "wall" if args.wall else "cpu", "problems": problems},
              args.append)
