@@ -21,7 +21,8 @@ also writes the zero updates and applies them to the parameters). Then the compi
 (``jax.jit(step, donate_argnums=(0, 1)).lower(...).compile().memory_analysis()``)
 and the size of the optimizer state that persists between steps.
 
-Run: ``python benchmarks/bench_accumulation.py [--size N] [--every-k K] [--rounds R] [--json PATH]``.
+Run: ``python benchmarks/bench_accumulation.py [--size N] [--every-k K] [--rounds R]
+[--json PATH]``.
 """
 
 from __future__ import annotations

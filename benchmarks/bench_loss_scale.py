@@ -15,7 +15,8 @@ transformer's, by default, or 1-D leaves of odd sizes), for:
 and the same four with ``optax.clip_by_global_norm(1.0)`` before adam. Each
 is printed as a ratio to plain adam (the clipped ones also to clip+adam).
 
-Run: ``python benchmarks/bench_loss_scale.py [--size N] [--rounds R] [--dtype bfloat16] [--json PATH]``.
+Run: ``python benchmarks/bench_loss_scale.py [--size N] [--rounds R] [--dtype bfloat16]
+[--json PATH]``.
 """
 
 from __future__ import annotations

@@ -230,7 +230,8 @@ def print_memory(figures: dict) -> None:
           " (the master's are float32)")
     for name, b in configs.items():
       parts = ", ".join(f"{k} {v:.2f}" for k, v in b.items() if k != "total")
-      print(f"  {name:<10} {b['total']:5.2f}  ({parts})  {100 * (1 - b['total'] / base):5.1f}% less")
+      less = 100 * (1 - b["total"] / base)
+      print(f"  {name:<10} {b['total']:5.2f}  ({parts})  {less:5.1f}% less")
 
 
 def time_steps(regime: str, rounds: int) -> dict:

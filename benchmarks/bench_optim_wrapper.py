@@ -23,7 +23,8 @@ about 1.5x slower under the default concurrency-optimized scheduler; run
 with ``XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false`` to
 see the program itself (docs/benchmarks.md).
 
-Run: ``python benchmarks/bench_optim_wrapper.py [--hidden N] [--batch B] [--dtype bfloat16] [--json PATH]``.
+Run: ``python benchmarks/bench_optim_wrapper.py [--hidden N] [--batch B] [--dtype bfloat16]
+[--json PATH]``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ communication: none where the finite check reads gradients that are already
 reduced (data parallel: they come out of the gradient all-reduce), one
 all-reduce of one boolean per gradient leaf where they are sharded (FSDP).
 
-Run: ``python benchmarks/bench_sharding.py [--devices 8] [--width 512] [--rounds 10] [--json PATH]``.
+Run: ``python benchmarks/bench_sharding.py [--devices 8] [--width 512] [--rounds 10]
+[--json PATH]``.
 """
 
 from __future__ import annotations

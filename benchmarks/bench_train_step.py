@@ -29,7 +29,8 @@ dominates). ``--clip`` puts ``optax.clip_by_global_norm(1.0)`` before adamw.
 Ratios are to ``plain_f16``; ``--cost`` adds XLA's compiled temporary bytes
 of the one-jit variants, as a multiple of the parameter bytes.
 
-Run: ``python benchmarks/bench_train_step.py [--regime compute|update] [--dtype bfloat16] [--json PATH]``.
+Run: ``python benchmarks/bench_train_step.py [--regime compute|update] [--dtype bfloat16]
+[--json PATH]``.
 """
 
 from __future__ import annotations
