@@ -74,8 +74,9 @@ def provenance(argv: Sequence[str] | None = None) -> Dict[str, Any]:
   import jax  # noqa: E402 (imported by the benchmark already; see the module's notes)
   import jaxlib
 
-  # Uncommitted changes to what the figures depend on (the results themselves excluded).
-  changed = _git("status", "--porcelain", "--", "jaxamp", "benchmarks", ":!benchmarks/results")
+  # Uncommitted changes to what the figures depend on: jaxamp and the benchmarks themselves.
+  changed = _git("status", "--porcelain", "--", "jaxamp", "benchmarks/bench_*.py",
+                 "benchmarks/common.py")
   devices = jax.devices()
   return {
       "command": command_line(sys.argv if argv is None else argv),
