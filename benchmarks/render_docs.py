@@ -170,9 +170,14 @@ def two_call_ratio() -> str:
 ROUNDING_LABELS = {"stochastic": "stochastic", "kahan": "Kahan", "nearest": "nearest"}
 
 
+def _numerics(kind: str) -> dict:
+  """The drift or convergence figures (deterministic: the last run's)."""
+  return Results("low_precision_numerics").runs[-1]["results"][kind]
+
+
 @region("lowp-drift")
 def lowp_drift() -> str:
-  drift = Results("low_precision_numerics").runs[-1]["results"]["drift"]
+  drift = _numerics("drift")
   kahan = drift["kahan"]
   rows = [["nearest", f"{drift['nearest']['mean']:.7g} (every update lost)"],
           ["stochastic", f"mean of 4096 parameters {drift['stochastic']['mean']:.6g} "
@@ -186,7 +191,7 @@ def lowp_drift() -> str:
 
 @region("lowp-drift-summary")
 def lowp_drift_summary() -> str:
-  drift = Results("low_precision_numerics").runs[-1]["results"]["drift"]
+  drift = _numerics("drift")
   kahan = drift["kahan"]
   return (f"nearest stays at {drift['nearest']['mean']:.7g}; stochastic's mean over 4096 "
           f"parameters is {drift['stochastic']['mean']:.6g}; Kahan's visible weight is "
@@ -196,7 +201,7 @@ def lowp_drift_summary() -> str:
 
 @region("lowp-convergence-summary")
 def lowp_convergence_summary() -> str:
-  conv = Results("low_precision_numerics").runs[-1]["results"]["convergence"]
+  conv = _numerics("convergence")
   base = conv["float32"]
   return (f"float32 {base:.4f}, stochastic {conv['stochastic']:.4f} "
           f"({conv['stochastic'] / base:.3f}x), Kahan {conv['kahan']:.4f} "
@@ -205,7 +210,7 @@ def lowp_convergence_summary() -> str:
 
 @region("lowp-convergence")
 def lowp_convergence() -> str:
-  conv = Results("low_precision_numerics").runs[-1]["results"]["convergence"]
+  conv = _numerics("convergence")
   base = conv["float32"]
   required = {"stochastic": "at most 1.2x", "kahan": "at most 1.05x", "nearest": "(stalls)"}
   rows = [["float32", f"{base:.4f}", "1.000x", ""]]
