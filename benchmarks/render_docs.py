@@ -158,6 +158,20 @@ def train_step_temporaries() -> str:
   return table(["", *columns.values()], rows) + "\n\n" + sources(*TRAIN_STEP_RUNS.values())
 
 
+@region("train-step-vs-peers")
+def train_step_vs_peers() -> str:
+  """jaxamp's one-jit steps against the peers', over the update-bound runs."""
+  update_bound = list(TRAIN_STEP_RUNS.values())[1:]
+
+  def over(variant, peer):
+    return span([r for name in update_bound for r in Results(name).ratio("step", variant, peer)])
+
+  return (f"the functional core's step took {over('jaxamp', 'apply_if_finite')} times the time "
+          f"of `apply_if_finite`'s and {over('jaxamp', 'flax_dynamic_scale')} times flax's "
+          f"recipe's, and `TrainState`'s {over('train_state', 'apply_if_finite')} times "
+          "`apply_if_finite`'s")
+
+
 @region("two-call-ratio")
 def two_call_ratio() -> str:
   """Plain float16 as two calls against one call, over the update-bound runs."""
