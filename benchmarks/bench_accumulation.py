@@ -21,7 +21,8 @@ also writes the zero updates and applies them to the parameters). Then the compi
 (``jax.jit(step, donate_argnums=(0, 1)).lower(...).compile().memory_analysis()``)
 and the size of the optimizer state that persists between steps.
 
-Run: ``python benchmarks/bench_accumulation.py [--size N] [--every-k K] [--rounds R]``.
+Run: ``python benchmarks/bench_accumulation.py [--size N] [--every-k K] [--rounds R]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
-from benchmarks.common import (add_param_args, device_summary, interleaved_medians, make_params,  # noqa: E402
-                               print_ratios)
+from benchmarks.common import (add_param_args, device_summary,  # noqa: E402
+                               interleaved_medians, make_params, print_ratios)
+from benchmarks.record import add_json_args, write_json  # noqa: E402
 
 
 def make_step(tx: optax.GradientTransformation):
@@ -107,6 +109,7 @@ def main(argv=None) -> None:
   parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
   parser.add_argument("--windows", type=int, default=2,
                       help="whole windows per timing sample of the mean micro-step")
+  add_json_args(parser)
   args = parser.parse_args(argv)
   k = args.every_k
 
@@ -132,8 +135,8 @@ def main(argv=None) -> None:
   steps["adam"] = make_runner(adam, params, grads, calls)
   mean = {name: t / calls for name, t in
           interleaved_medians(steps, rounds=args.rounds, inner=1).items()}
-  print_ratios(mean, "MultiSteps", "Mean time per micro-step",
-               targets={name: 0.6 for name in variants if name.startswith("jaxamp")})
+  mean_table = print_ratios(mean, "MultiSteps", "Mean time per micro-step",
+                            targets={name: 0.6 for name in variants if name.startswith("jaxamp")})
 
   # Accumulating and closing micro-steps on their own.
   kinds = {}
@@ -144,7 +147,7 @@ def main(argv=None) -> None:
   kinds["acc + g alone"] = make_floor(params, grads, k)
   by_kind = {name: t / k for name, t in
              interleaved_medians(kinds, rounds=args.rounds, inner=1).items()}
-  print_ratios(by_kind, "adam", "Time per micro-step by kind")
+  kind_table = print_ratios(by_kind, "adam", "Time per micro-step by kind")
 
   print("\nMedian milliseconds per micro-step")
   for name, value in {**mean, **by_kind}.items():
@@ -164,6 +167,8 @@ def main(argv=None) -> None:
     ratios = {f: row[f] / base[f] for f in ("state", "temp") if f in row and base.get(f)}
     print(f"  {name} / MultiSteps: " + ", ".join(f"{f} {r:.3f}x (target <= 1.00)"
                                                  for f, r in ratios.items()))
+  write_json(args.json, {"params": n, "leaves": len(params), "k": k, "mean": mean_table,
+                         "by_kind": kind_table, "memory": rows}, args.append)
 
 
 if __name__ == "__main__":

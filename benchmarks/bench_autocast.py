@@ -19,7 +19,7 @@ On a CPU, half precision is emulated (XLA converts to float32 around each
 op), so the ratios mostly measure the cost of the casts, not the speed-up a
 GPU gives.
 
-Run: ``python benchmarks/bench_autocast.py [--rounds R] [--dtype bfloat16]``.
+Run: ``python benchmarks/bench_autocast.py [--rounds R] [--dtype bfloat16] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
-from benchmarks.common import (device_summary, interleaved_medians, mlp_loss, mlp_problem,  # noqa: E402
-                               print_ratios)
+from benchmarks.common import (device_summary, interleaved_medians,  # noqa: E402
+                               mlp_loss, mlp_problem, print_ratios)
+from benchmarks.record import add_json_args, write_json  # noqa: E402
 
 
 def _layer_norm(h, scale):
@@ -96,7 +97,8 @@ def make_runner(loss_fn: Callable, params, args) -> Dict:
   return {"run": run, "trace": traced, "compile": compile_s}
 
 
-def bench(title: str, loss_fn: Callable, params, args, dtype, rounds: int, inner: int) -> None:
+def bench(title: str, loss_fn: Callable, params, args, dtype, rounds: int, inner: int) -> Dict:
+  """Times the three variants of ``loss_fn``; returns the ratios, trace and compile seconds."""
   name = jnp.dtype(dtype).name
   variants = {
       "float32": loss_fn,
@@ -107,9 +109,11 @@ def bench(title: str, loss_fn: Callable, params, args, dtype, rounds: int, inner
   medians = interleaved_medians({k: r["run"] for k, r in runners.items()}, rounds=rounds,
                                 inner=inner)
   print(f"\n== {title}: median float32 step {medians['float32'] * 1e3:.2f} ms")
-  print_ratios(medians, "float32", f"{title}, step time ({name})")
+  step = print_ratios(medians, "float32", f"{title}, step time ({name})")
   print("  trace / compile (s):  " + "   ".join(
       f"{k} {r['trace']:.2f} / {r['compile']:.2f}" for k, r in runners.items()))
+  return {"step": step, "trace_s": {k: r["trace"] for k, r in runners.items()},
+          "compile_s": {k: r["compile"] for k, r in runners.items()}}
 
 
 def main(argv=None) -> None:
@@ -117,21 +121,24 @@ def main(argv=None) -> None:
   parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
   parser.add_argument("--inner", type=int, default=3, help="calls per variant per round")
   parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+  add_json_args(parser)
   args = parser.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   print(f"{device_summary()}; {args.rounds} rounds x {args.inner} calls")
 
   params, x, y = mlp_problem(hidden=512, depth=3, batch=256)
-  bench("MLP (512 -> 3 x 512 -> 64, batch 256)", mlp_loss, params, (x, y), dtype,
-        args.rounds, args.inner)
+  results = {"dtype": args.dtype}
+  results["mlp"] = bench("MLP (512 -> 3 x 512 -> 64, batch 256)", mlp_loss, params, (x, y), dtype,
+                         args.rounds, args.inner)
 
   params, x, labels, heads = transformer_problem(d=256, heads=4, seq=128, batch=8)
 
   def block_loss(params, x, labels):
     return transformer_loss(params, x, labels, heads)
 
-  bench("Transformer block (d 256, 4 heads, seq 128, batch 8)", block_loss, params,
-        (x, labels), dtype, args.rounds, args.inner)
+  results["block"] = bench("Transformer block (d 256, 4 heads, seq 128, batch 8)", block_loss,
+                           params, (x, labels), dtype, args.rounds, args.inner)
+  write_json(args.json, results, args.append)
 
 
 if __name__ == "__main__":

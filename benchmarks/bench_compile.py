@@ -26,7 +26,8 @@ the seconds of its HLO passes (the largest by name) and of its code generation,
 which the compile phase is made of, and how many distinct kernels it compiled to
 machine code, with the seconds they took (summed over XLA's compile threads).
 
-Run: ``python benchmarks/bench_compile.py [--leaves 10 100 400 1000] [--lm] [--autocast]``.
+Run: ``python benchmarks/bench_compile.py [--leaves 10 100 400 1000] [--lm] [--autocast on]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ import jaxamp  # noqa: E402
 from benchmarks import bench_train_step as train_step  # noqa: E402
 from benchmarks.bench_loss_scale import INIT_SCALE, with_apply_if_finite  # noqa: E402
 from benchmarks.common import device_summary  # noqa: E402
+from benchmarks.record import add_json_args, write_json  # noqa: E402
 from jaxamp._src import finite, loss_scale, selective_update, validation  # noqa: E402
 
 PHASES = ("trace", "lower", "compile")
@@ -363,6 +365,14 @@ def print_xla_seconds(medians: Dict[str, Dict[str, float]], width: int, top: int
         f"{m.get(c, 0.0):9.0f} " if c == "kernels" else f"{m.get(c, 0.0):9.3f} " for c in columns))
 
 
+def _kept(medians: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, float]]:
+  """What ``--json`` keeps of the medians: the phases, XLA's totals and its passes that take 1% or
+  more of its HLO passes' time (of the hundred or so it times)."""
+  return {name: {k: v for k, v in m.items()
+                 if not k.startswith("pass ") or v >= 0.01 * m.get("HLO passes", 0.0)}
+          for name, m in medians.items()}
+
+
 def fresh(loss: Callable, cast: bool) -> Callable[[], Callable]:
   """A function that returns ``loss``, or with ``cast`` a new ``autocast`` of it each time (its
   trace cache keys on the function, so each timing then pays for the interpretation)."""
@@ -387,6 +397,7 @@ def main(argv=None) -> None:
   parser.add_argument("--wall", action="store_true", help="wall-clock seconds, not CPU seconds")
   parser.add_argument("--xla-passes", action="store_true",
                       help="also XLA's timers: its HLO passes and its code generation")
+  add_json_args(parser)
   args = parser.parse_args(argv)
   if args.wall:
     global CLOCK
@@ -401,12 +412,15 @@ def main(argv=None) -> None:
   print(f"{device_summary()}; adam{' clipped' if args.clip else ''}; median of {args.repeats} "
         f"interleaved rounds of {'wall' if args.wall else 'CPU'} seconds; ratios to 'plain'")
   variants = [v for v in args.variants if v != "train_state"]
+  problems = []  # for --json: one entry per table printed
   for cast in modes:
     for n in args.leaves:
       params, batch, loss = leaf_problem(n)
       medians, counts = measure(variants, inner, fresh(loss, cast), params, batch, args.repeats)
       print_table(f"{n} leaves of 64 x 64, autocast {'on' if cast else 'off'}", medians, counts,
                   args.hlo)
+      problems.append({"problem": f"{n} leaves", "autocast": cast, "medians": _kept(medians),
+                       "counts": counts})
     if args.lm:
       params, batch, loss = lm_problem()
       make_loss = fresh(loss, cast) if cast else lambda: train_step.half_loss(jnp.float16)
@@ -416,6 +430,11 @@ def main(argv=None) -> None:
                                   inner, make_loss, params, batch, args.repeats)
       print_table(f"LM step ({sum(p.size for p in jax.tree.leaves(params)):,} params, 8 x 128), "
                   f"{'autocast' if cast else 'whole float16 cast'}", medians, counts, args.hlo)
+      problems.append({"problem": "LM", "autocast": cast, "medians": _kept(medians),
+                       "counts": counts})
+  write_json(args.json, {"clip": args.clip, "repeats": args.repeats,
+                         "clock": "wall" if args.wall else "cpu", "problems": problems},
+             args.append)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ million by default) with Adam and dynamic loss scaling, written four ways:
 - ``torch_no_watch``: ``torch_style`` with ``on_stall='ignore'``, to show
   what watching for a stalled run costs.
 
-Each is printed as a ratio to ``core`` (target for the scaler loops: 1.10x).
+Each is printed as a ratio to ``core`` (target for the donating loops: 1.10x).
 
 Where the difference comes from: the PyTorch-style loop runs three jitted
 calls (backward, the holder's step, the scale update) where the core runs
@@ -31,7 +31,7 @@ each step also allocates fresh buffers for params and optimizer state, which
 the donated core does not. The gap shrinks as the backward pass grows
 (``--batch``).
 
-Run: ``python benchmarks/bench_grad_scaler.py [--hidden N] [--batch B] [--rounds R]``.
+Run: ``python benchmarks/bench_grad_scaler.py [--hidden N] [--batch B] [--rounds R] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jaxamp  # noqa: E402
 from benchmarks.common import (device_summary, interleaved_medians,  # noqa: E402
                                mlp_loss as loss_fn, mlp_problem, print_ratios)
+from benchmarks.record import add_json_args, write_json  # noqa: E402
 
 INIT_SCALE = 2.0**16
 GROWTH_INTERVAL = 2000
@@ -66,6 +67,7 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--rounds", type=int, default=15)
   parser.add_argument("--inner", type=int, default=5)
+  add_json_args(parser)
   args = parser.parse_args()
 
   params0, x, y = mlp_problem(args.hidden, args.depth, args.batch)
@@ -141,9 +143,9 @@ def main() -> None:
       rounds=args.rounds, inner=args.inner)
   for name, value in medians.items():
     print(f"  {name:<13} {value * 1e3:8.2f} ms")
-  print_ratios(medians, "core", "GradScaler loops against the functional core",
-               targets={"torch_style": 1.10, "torch_donate": 1.10, "paddle_style": 1.10,
-                        "paddle_donate": 1.10})
+  loops = print_ratios(medians, "core", "GradScaler loops against the functional core",
+                       targets={"torch_donate": 1.10, "paddle_donate": 1.10})
+  write_json(args.json, {"params": n_params, "batch": args.batch, "loops": loops}, args.append)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ transformer's, by default, or 1-D leaves of odd sizes), for:
 and the same four with ``optax.clip_by_global_norm(1.0)`` before adam. Each
 is printed as a ratio to plain adam (the clipped ones also to clip+adam).
 
-Run: ``python benchmarks/bench_loss_scale.py [--size N] [--rounds R] [--dtype bfloat16]``.
+Run: ``python benchmarks/bench_loss_scale.py [--size N] [--rounds R] [--dtype bfloat16]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
-from benchmarks.common import (add_param_args, device_summary, interleaved_medians, make_params,  # noqa: E402
-                               print_ratios)
+from benchmarks.common import (add_param_args, device_summary,  # noqa: E402
+                               interleaved_medians, make_params, print_ratios)
+from benchmarks.record import add_json_args, write_json  # noqa: E402
 
 GROWTH_INTERVAL = 2000
 INIT_SCALE = 2.0**16
@@ -199,6 +201,7 @@ def main(argv=None) -> None:
   parser.add_argument("--no-clip", action="store_true", help="skip the clip_by_global_norm variants")
   parser.add_argument("--cost", action="store_true",
                       help="also print XLA's compiled cost analysis (bytes accessed, flops)")
+  add_json_args(parser)
   args = parser.parse_args(argv)
 
   dtype = jnp.dtype(args.dtype)
@@ -222,14 +225,18 @@ def main(argv=None) -> None:
   medians = interleaved_medians(steps, rounds=args.rounds, inner=args.inner)
 
   print(f"\nmedian time of plain adam: {medians['adam'] * 1e3:.2f} ms")
-  print_ratios({k: v for k, v in medians.items() if not k.startswith("clip+")}, "adam",
-               "Without clipping", targets={"jaxamp": 1.15})
+  results = {"dtype": args.dtype, "params": n, "leaves": len(params), "shapes": args.shapes}
+  results["unclipped"] = print_ratios(
+      {k: v for k, v in medians.items() if not k.startswith("clip+")}, "adam", "Without clipping",
+      targets={"jaxamp": 1.15})
   if not args.no_clip:
     print_ratios(medians, "adam", "All variants")
-    print_ratios({k: v for k, v in medians.items() if k.startswith("clip+")}, "clip+adam",
-                 "With clip_by_global_norm(1.0)", targets={"clip+jaxamp": 1.03})
+    results["clipped"] = print_ratios(
+        {k: v for k, v in medians.items() if k.startswith("clip+")}, "clip+adam",
+        "With clip_by_global_norm(1.0)", targets={"clip+jaxamp": 1.03})
   if args.cost:
     print_costs(steps, "adam")
+  write_json(args.json, results, args.append)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ about 1.5x slower under the default concurrency-optimized scheduler; run
 with ``XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false`` to
 see the program itself (docs/benchmarks.md).
 
-Run: ``python benchmarks/bench_optim_wrapper.py [--hidden N] [--batch B] [--dtype bfloat16]``.
+Run: ``python benchmarks/bench_optim_wrapper.py [--hidden N] [--batch B] [--dtype bfloat16]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jaxamp  # noqa: E402
 from benchmarks.common import (device_summary, interleaved_medians,  # noqa: E402
                                mlp_loss as loss_fn, mlp_problem, print_ratios)
+from benchmarks.record import add_json_args, write_json  # noqa: E402
 from tests._tracing import install as count_traces, trace_counts  # noqa: E402
 
 
@@ -54,6 +56,7 @@ def main() -> None:
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--rounds", type=int, default=15)
   parser.add_argument("--inner", type=int, default=4)
+  add_json_args(parser)
   args = parser.parse_args()
 
   params0, x, y = mlp_problem(args.hidden, args.depth, args.batch)
@@ -109,14 +112,16 @@ def main() -> None:
   medians = interleaved_medians(variants, rounds=args.rounds, inner=args.inner)
   for name, seconds in medians.items():
     print(f"  {name:<24} {seconds * 1e3:8.2f} ms/step")
-  print_ratios({k: medians[k] for k in ("core", "amp_wrapper", "amp_wrapper_donate")}, "core",
-               "AmpOptimWrapper.update_params, accumulative_counts=1",
-               targets={"amp_wrapper": 1.10, "amp_wrapper_donate": 1.10})
-  print_ratios({k: medians[k] for k in ("core_acc4", "amp_wrapper_acc4",
-                                        "amp_wrapper_acc4_donate")}, "core_acc4",
-               "accumulative_counts=4, per micro-batch")
+  acc1 = print_ratios({k: medians[k] for k in ("core", "amp_wrapper", "amp_wrapper_donate")},
+                      "core", "AmpOptimWrapper.update_params, accumulative_counts=1",
+                      targets={"amp_wrapper": 1.10, "amp_wrapper_donate": 1.10})
+  acc4 = print_ratios({k: medians[k] for k in ("core_acc4", "amp_wrapper_acc4",
+                                               "amp_wrapper_acc4_donate")}, "core_acc4",
+                      "accumulative_counts=4, per micro-batch")
   counts = dict(trace_counts(wrapper))
   assert all(v == 1 for v in counts.values()), counts
+  write_json(args.json, {"params": n_params, "batch": args.batch, "dtype": args.dtype,
+                         "acc1": acc1, "acc4": acc4}, args.append)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ communication: none where the finite check reads gradients that are already
 reduced (data parallel: they come out of the gradient all-reduce), one
 all-reduce of one boolean per gradient leaf where they are sharded (FSDP).
 
-Run: ``python benchmarks/bench_sharding.py [--devices 8] [--width 512] [--rounds 10]``.
+Run: ``python benchmarks/bench_sharding.py [--devices 8] [--width 512] [--rounds 10]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.record import add_json_args  # noqa: E402 (imports no jax)
+
 
 def _parse(argv):
   parser = argparse.ArgumentParser(description=__doc__.split("\n", maxsplit=1)[0])
@@ -37,6 +42,7 @@ def _parse(argv):
   parser.add_argument("--batch", type=int, default=64, help="global batch size")
   parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds")
   parser.add_argument("--inner", type=int, default=3, help="calls per variant per round")
+  add_json_args(parser)
   return parser.parse_args(argv)
 
 
@@ -56,10 +62,9 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jaxamp  # noqa: E402
 from benchmarks.common import device_summary, interleaved_medians, print_ratios  # noqa: E402
+from benchmarks.record import write_json  # noqa: E402
 from tests._hlo import hlo_collectives  # noqa: E402
 
 INIT_SCALE = 2.0**10
@@ -187,16 +192,20 @@ def main() -> None:
   print(f"{device_summary()}; MLP with {n:,} float32 params in {len(params)} leaves, batch "
         f"{args.batch}; {args.rounds} rounds x {args.inner} calls")
 
+  results = {"devices": args.devices, "params": n, "leaves": len(params), "batch": args.batch}
   for layout in ("dp", "fsdp", "shard_map"):
     runners, found = {}, {}
     for name, scaled in (("adam", False), ("jaxamp", True)):
       runners[name], found[name] = build(layout, scaled, mesh, params, x, y)
     medians = interleaved_medians(runners, rounds=args.rounds, inner=args.inner)
-    print_ratios(medians, "adam", f"{layout}: training step, median "
-                 f"{medians['adam'] * 1e3:.2f} ms for plain adam")
+    step = print_ratios(medians, "adam", f"{layout}: training step, median "
+                        f"{medians['adam'] * 1e3:.2f} ms for plain adam")
     for name in runners:
       print(f"  collectives in the {name} step: {describe(found[name])}")
     print(f"  added by jaxamp: {added(found['adam'], found['jaxamp'])}")
+    results[layout] = {"step": step, "collectives": {k: describe(v) for k, v in found.items()},
+                       "added": added(found["adam"], found["jaxamp"])}
+  write_json(args.json, results, args.append)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ of the one-jit variants, as a multiple of the parameter bytes.
 ``--variants`` runs only the variants named (``plain_f16``, the baseline, always
 runs): compiling each variant dominates a run on a large LM, e.g. on a GPU.
 
-Run: ``python benchmarks/bench_train_step.py [--regime compute|update] [--dtype bfloat16]``.
+Run: ``python benchmarks/bench_train_step.py [--regime compute|update] [--dtype bfloat16]
+[--variants NAME ...] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402
 from benchmarks.bench_loss_scale import INIT_SCALE, with_apply_if_finite  # noqa: E402
-from benchmarks.common import device_summary, interleaved_medians, print_ratios  # noqa: E402
+from benchmarks.common import (device_summary, interleaved_medians,  # noqa: E402
+                               print_ratios)
+from benchmarks.record import add_json_args, write_json  # noqa: E402
 
 REGIMES = {"compute": (8, 128), "update": (1, 16)}
 
@@ -314,6 +317,7 @@ def main(argv=None) -> None:
   parser.add_argument("--variants", nargs="+", choices=sorted({**VARIANTS, **FACADES}),
                       default=list({**VARIANTS, **FACADES}),
                       help="the variants to run (plain_f16, the baseline, always runs)")
+  add_json_args(parser)
   args = parser.parse_args(argv)
   wanted = {"plain_f16", *args.variants}
 
@@ -333,14 +337,19 @@ def main(argv=None) -> None:
                 if name in wanted})
   medians = interleaved_medians(steps, rounds=args.rounds, inner=args.inner)
   print(f"\nmedian time of plain_f16: {medians['plain_f16'] * 1e3:.2f} ms")
-  print_ratios(medians, "plain_f16", f"Whole train step, {args.regime}-bound")
+  results = {"regime": args.regime, "dtype": args.dtype, "clip": args.clip, "params": n,
+             "step": print_ratios(medians, "plain_f16", f"Whole train step, {args.regime}-bound")}
   if args.cost:
     param_bytes = 4.0 * n
     print("\nCompiled temporaries, in parameter bytes:")
+    results["temp_param_bytes"] = {}
     for name, run in steps.items():
       temps = temp_bytes(run)
       shown = "several programs" if temps is None else f"{temps / param_bytes:6.2f}x"
       print(f"  {name:<20} {shown}")
+      if temps is not None:
+        results["temp_param_bytes"][name] = temps / param_bytes
+  write_json(args.json, results, args.append)
 
 
 if __name__ == "__main__":

@@ -2,14 +2,15 @@
 
 Every benchmark compares variants in one run, interleaving them round by
 round so that machine noise hits all of them alike, and prints medians and
-ratios (never single absolute times).
+ratios (never single absolute times); ``--json PATH`` (:mod:`benchmarks.record`)
+also writes them to a file.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,8 +105,12 @@ def interleaved_medians(steps: Dict[str, Callable[[], None]], rounds: int = 15,
 
 
 def print_ratios(medians: Dict[str, float], baseline: str, title: str,
-                 targets: Dict[str, float] | None = None) -> None:
-  """Prints each variant's median as a ratio to ``baseline`` (and its target, if any)."""
+                 targets: Dict[str, float] | None = None) -> Dict[str, Any]:
+  """Prints each variant's median as a ratio to ``baseline`` (and its target, if any).
+
+  Returns what it printed, for :func:`write_json`: ``{"baseline", "seconds",
+  "ratios", "targets"}``.
+  """
   targets = targets or {}
   print(f"\n{title}  (ratio to {baseline!r}; median of interleaved rounds)")
   base = medians[baseline]
@@ -113,6 +118,9 @@ def print_ratios(medians: Dict[str, float], baseline: str, title: str,
   for name, value in medians.items():
     target = f"   target <= {targets[name]:.2f}x" if name in targets else ""
     print(f"  {name:<{width}}  {value / base:6.3f}x{target}")
+  return {"baseline": baseline, "seconds": dict(medians),
+          "ratios": {name: value / base for name, value in medians.items()},
+          "targets": dict(targets)}
 
 
 def block(tree) -> None:

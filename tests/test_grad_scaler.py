@@ -828,12 +828,14 @@ def test_donating_holder_compiles_once_and_invalidates_held_arrays():
   opt.zero_grad()
   scaled = opt.backward(scaler.scale(_poisoned_loss), x, jnp.int32(0))
   grads, scale = opt.grads, np.float32(scaler.get_scale())
+  unscaled = grads["w"] / scale  # on the device: a host read would pin the buffer
   scaler.step(opt)
   scaler.update()
   with pytest.raises(RuntimeError, match="deleted"):  # params stepped in place
     np.asarray(held["w"])
-  # The one-call step leaves the scaled gradients alone and reads them unscaled.
-  np.testing.assert_array_equal(opt.grads["w"], np.asarray(grads["w"]) / scale)
+  # The one-call step unscales the gradients in place, as unscale_ does.
+  assert grads["w"].is_deleted()
+  np.testing.assert_array_equal(opt.grads["w"], unscaled)
   np.asarray(scaled)
   for leaf in jax.tree.leaves(saved["state"]):
     np.asarray(leaf)

@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import jaxamp
+from benchmarks import bench_low_precision as bench
 
 BF16 = jnp.bfloat16
 ROUNDINGS = ["stochastic", "kahan", "nearest"]
@@ -244,30 +245,14 @@ def test_same_seed_same_bits_other_seed_other_bits():
 
 # --- evidence: drift and convergence ------------------------------------------------------------
 
-def _drift(rounding, steps=2000, size=4096):
-  tx = jaxamp.low_precision_params(optax.sgd(1e-4), rounding)
-  params = {"w": jnp.ones(size, BF16)}
-  grads = {"w": jnp.full(size, -1.0, BF16)}  # each update adds exactly float32(1e-4)
-
-  @jax.jit
-  def run(params, state):
-    def body(_, carry):
-      p, s = carry
-      updates, s = tx.update(grads, s, p)
-      return apply(p, updates), s
-    return jax.lax.fori_loop(0, steps, body, (params, state))
-
-  return run(params, tx.init(params))
-
-
 def test_drift_nearest_stalls_stochastic_is_unbiased_kahan_keeps_the_sum():
   target = 1.2
   ulp = 2.0**-7  # bfloat16 spacing in [1, 2)
-  p, _ = _drift("nearest")
+  p, _ = bench.drift("nearest")
   assert (np.asarray(p["w"], np.float32) == 1.0).all()
-  p, _ = _drift("stochastic")
+  p, _ = bench.drift("stochastic")
   assert abs(np.asarray(p["w"], np.float32).mean() - target) < 2e-3
-  p, s = _drift("kahan")
+  p, s = bench.drift("kahan")
   w = np.asarray(p["w"], np.float32)
   assert (np.abs(w - target) <= ulp).all()
   total = w + np.asarray(jaxamp.decode_compensation(s.compensation[0], p["w"]))
@@ -275,41 +260,11 @@ def test_drift_nearest_stalls_stochastic_is_unbiased_kahan_keeps_the_sum():
   assert float(s.stale_fraction[0]) == 1.0  # every update is below half a spacing of 1.2
 
 
-def _regression(noise=0.4):
-  rng = np.random.default_rng(0)
-  x = rng.standard_normal((256, 64)).astype(np.float32)
-  w_star = rng.standard_normal(64).astype(np.float32)
-  y = (x @ w_star + noise * rng.standard_normal(256)).astype(np.float32)
-  return x, y, w_star
-
-
-def _train_regression(dtype, rounding, steps=2000):
-  x, y, w_star = _regression()
-
-  def loss(w):
-    return jnp.mean((x @ w.astype(jnp.float32) - y) ** 2)
-
-  tx = optax.sgd(3e-3) if rounding is None else jaxamp.low_precision_params(optax.sgd(3e-3),
-                                                                             rounding)
-  w = jnp.asarray(w_star + 8.0, dtype)
-
-  @jax.jit
-  def run(w, state):
-    def body(carry, _):
-      w, s = carry
-      updates, s = tx.update(jax.grad(loss)(w), s, w)
-      return (apply(w, updates), s), None
-    (w, _), _ = jax.lax.scan(body, (w, state), None, length=steps)
-    return loss(w)
-
-  return float(run(w, tx.init(w)))
-
-
 def test_convergence_parity_on_linear_regression():
-  f32 = _train_regression(jnp.float32, None)
-  stochastic = _train_regression(BF16, "stochastic")
-  kahan = _train_regression(BF16, "kahan")
-  nearest = _train_regression(BF16, "nearest")
+  f32 = bench.regression(jnp.float32, None)
+  stochastic = bench.regression(BF16, "stochastic")
+  kahan = bench.regression(BF16, "kahan")
+  nearest = bench.regression(BF16, "nearest")
   assert stochastic <= 1.2 * f32
   assert kahan <= 1.05 * f32
   assert nearest > 100 * f32  # stalled far from the optimum

@@ -835,6 +835,18 @@ def test_backward_and_apply_gradients_donate_only_with_donate(donate):
   np.testing.assert_allclose(wrapper.params["w"], 1.0 - 0.5 * 2 * np.asarray(X))
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_the_one_call_scaled_step_compiles_without_a_buffer_for_the_unscaled_gradients(donate):
+  # Donating, the unscaled gradients are written into the scaled ones' buffer; otherwise they
+  # are not kept (read unscaled later): either way no temporary holds them for the step.
+  params = {"w": jnp.ones((64, 64), jnp.float32)}
+  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1, momentum=0.9), params, donate=donate)
+  grads = {"w": jnp.ones((64, 64), jnp.float32)}
+  compiled = wrapper._apply_scaled_step.lower(wrapper.params, wrapper._state, grads,
+                                              jnp.float32(2.0)).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < grads["w"].nbytes
+
+
 def test_a_skippable_step_gives_the_optimizer_the_params():
   # Weight decay reads the params: with an external skip flag too, the step is optax's.
   params = w_params((1.0, -2.0))

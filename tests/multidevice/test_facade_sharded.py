@@ -34,8 +34,8 @@ def _amp_run(params, put):
   return wrapper, scales, grad_shardings
 
 
-def _torch_run(params, put):
-  opt = jaxamp.OptimWrapper(optax.sgd(0.05, momentum=0.9), params)
+def _torch_run(params, put, donate=False):
+  opt = jaxamp.OptimWrapper(optax.sgd(0.05, momentum=0.9), params, donate=donate)
   scaler = jaxamp.GradScaler(init_scale=INIT_SCALE, growth_interval=100)
   scales = []
   for x, y in _micro_batches():
@@ -49,7 +49,8 @@ def _torch_run(params, put):
 
 @pytest.fixture(scope="module")
 def one_device():
-  return {"amp": _amp_run(_params(), lambda a: a)[:2], "torch": _torch_run(_params(), lambda a: a)}
+  torch = _torch_run(_params(), lambda a: a)
+  return {"amp": _amp_run(_params(), lambda a: a)[:2], "torch": torch, "torch_donate": torch}
 
 
 def _follows(tree, shardings):
@@ -63,7 +64,7 @@ def _assert_close(tree, ref):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
-@pytest.mark.parametrize("facade", ["amp", "torch"])
+@pytest.mark.parametrize("facade", ["amp", "torch", "torch_donate"])
 def test_facades_keep_the_params_shardings(one_device, facade, axis_type):
   mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), SPEC)
@@ -79,7 +80,9 @@ def test_facades_keep_the_params_shardings(one_device, facade, axis_type):
           for g, ref, p in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings),
                                jax.tree.leaves(_params())))
     else:
-      wrapper, scales = _torch_run(params, put)
+      wrapper, scales = _torch_run(params, put, donate=facade == "torch_donate")
+      # The last step's gradients, read unscaled (a donating holder unscales them in place).
+      assert _follows(wrapper.grads, shardings)
   ref_wrapper, ref_scales = one_device[facade]
   assert scales == ref_scales
   # The bad micro-batch's step (for AmpOptimWrapper, the window it closes) backs off once.

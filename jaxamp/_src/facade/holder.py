@@ -51,7 +51,9 @@ def _checked_grads(optimizer: Any, allow_float16: bool) -> Optional[Any]:
   if not holds_grads(optimizer):
     return None
   grads = optimizer.grads
-  if not allow_float16 and any(jnp.result_type(g) == jnp.float16 for g in jax.tree.leaves(grads)):
+  # ``g.dtype``: ``jnp.result_type(g)`` would cost tens of microseconds a leaf on every step.
+  if not allow_float16 and any(getattr(g, "dtype", None) == jnp.float16
+                               for g in jax.tree.leaves(grads)):
     raise ValueError("Attempting to unscale FP16 gradients.")
   return grads
 

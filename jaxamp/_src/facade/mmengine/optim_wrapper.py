@@ -184,7 +184,8 @@ class OptimWrapper:
   buffers each step. The numerics are identical to ``donate=False`` bit for
   bit. **Arrays previously read from the wrapper are invalidated**:
   ``params``, ``opt_state`` and ``loss_scaler`` by the next step, ``grads``
-  by the next ``backward`` that adds to them or a scaler's ``unscale_`` (and
+  by the next ``backward`` that adds to them or a scaler's ``unscale_`` or
+  ``step``, which unscale them in place (and
   the arrays passed to the constructor or assigned to ``params``/``grads``,
   which the wrapper then owns, likewise); reading them raises JAX's "Array
   has been deleted" ``RuntimeError``. Copy
@@ -280,14 +281,17 @@ class OptimWrapper:
 
     Only buffers that an output of the same shape can reuse are donated (XLA
     warns about the others): params and state into the new params and
-    state, the accumulated gradients into the new sum.
+    state, the accumulated gradients into the new sum, and the scaled
+    gradients into the unscaled ones.
     """
     both: Tuple[int, ...] = (0, 1) if self._donate else ()
     self._grad_step = jax.jit(self._grad_impl, static_argnums=(5,),
                               donate_argnums=(1,) if self._donate else ())
     self._fused_step = jax.jit(self._fused_impl, static_argnums=(5,), donate_argnums=both)
     self._apply_step = jax.jit(self._apply_impl, donate_argnums=both)
-    self._apply_scaled_step = jax.jit(self._apply_scaled_impl, donate_argnums=both)
+    # Donating, the scaled gradients' buffer takes the unscaled ones (see apply_scaled_gradients).
+    self._apply_scaled_step = jax.jit(self._apply_scaled_impl,
+                                      donate_argnums=(0, 1, 2) if self._donate else ())
     self._retraces = RetraceWatch()
 
   def _objective(self, spec: CallSpec, dynamic: Sequence[Any], factor: jax.Array,
@@ -393,7 +397,9 @@ class OptimWrapper:
   def _apply_scaled_impl(self, params, state, grads, scale):
     unscaled, found_inf = fp8.unscale_and_check(grads, scale)
     params, state, norm = self._update(params, state, unscaled, found_inf)
-    return params, state, norm, found_inf
+    if not self._donate:
+      return params, state, norm, found_inf, None
+    return params, state, norm, found_inf, sharding_pins.constrain(unscaled, self._shardings)
 
   def _fused_impl(self, params, state, buffer, dynamic, factor, spec):
     self._retraces.traced(("update_params", buffer is None), spec, dynamic, params)
@@ -576,7 +582,9 @@ class OptimWrapper:
     :meth:`apply_gradients` in one jitted call, so that the unscaled gradients
     are not written out and read back: the scalers' ``step`` uses it when
     nothing has to see the gradients unscaled in between. Afterwards
-    :attr:`grads` reads the unscaled gradients (computed on the first read).
+    :attr:`grads` reads the unscaled gradients: with ``donate=True`` the call
+    writes them into the scaled gradients' buffer (which it donates, as
+    ``unscale_`` does), otherwise they are computed on the first read.
 
     Args:
       scale: the loss scale, a float32 scalar (no host sync).
@@ -588,11 +596,15 @@ class OptimWrapper:
     grads = self.grads
     if grads is None:
       return None
-    scale = jnp.asarray(scale, jnp.float32)
-    params, state, norm, found_inf = self._apply_scaled_step(self._params, self._state, grads,
-                                                            scale)
+    if not (isinstance(scale, jax.Array) and scale.dtype == jnp.float32):  # a scaler's: as it is
+      scale = jnp.asarray(scale, jnp.float32)
+    params, state, norm, found_inf, unscaled = self._apply_scaled_step(
+        self._params, self._state, grads, scale)
+    if unscaled is None:
+      self._grads_scale = scale
+    else:
+      self._grads = unscaled
     self._commit_step(params, state, norm)
-    self._grads_scale = scale
     return found_inf
 
   def _commit_step(self, params: Any, state: Any, norm: Optional[jax.Array]) -> None:
