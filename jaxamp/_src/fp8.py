@@ -186,14 +186,18 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
 def unscale_and_check(grads: Any, scale: jax.Array) -> tuple[Any, jax.Array]:
   """``(unscale(grads, scale), found_inf)``, for the facades' scalers.
 
-  ``found_inf`` is checked on the unscaled gradients, and is also set by a
-  non-finite fp8 value (a saturated overflow, see :func:`flag_overflow`).
+  ``found_inf`` is checked on the unscaled gradients as they are returned (the
+  facades keep them, as ``opt.grads``: a donating holder writes them into the
+  scaled ones' buffer, and the check then reads that buffer rather than the
+  raw gradients, which would need a copy), and is also set by a non-finite
+  fp8 value (a saturated overflow, see :func:`flag_overflow`).
   """
   rest, values = split(grads)
-  found_inf = jnp.logical_not(finite.unscaled_all_finite(rest, scale))
+  unscaled = finite.unscale(rest, scale)
+  found_inf = jnp.logical_not(finite.all_finite(unscaled))
   if values is not None:
     found_inf = jnp.logical_or(found_inf, jnp.logical_not(finite.all_finite(values)))
-  return unscale(grads, scale), found_inf
+  return merge(unscaled, values), found_inf
 
 
 def pmean(grads: Any, axis_name: Any, *others: Any) -> Any:
