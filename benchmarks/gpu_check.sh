@@ -24,8 +24,10 @@
 # wheels, default .whl/ when present) without the network. pytest-benchmark's plugin turns
 # filterwarnings=error into an INTERNALERROR under xdist, so it is disabled (-p no:benchmark).
 #
-# --small: a CPU-sized run to check the script itself (a 2M-parameter LM, fewer rounds, the
-# test workers the cores allow).
+# --small: a CPU-sized run to check the script itself: a 1.8M-parameter LM, fewer rounds, 10
+# leaves; of the tests, the excess-precision file runs and the others are only collected (so that
+# their imports are checked). GPU_CHECK_TIME_FACTOR (default 1) multiplies every budget and the
+# deadline, for a slow or shared machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ $# -lt 1 || $1 == -* ]]; then
@@ -37,7 +39,8 @@ small=false
 [[ ${2:-} == --small ]] && small=true
 mkdir -p "$logs"
 PY=${PYTHON:-python3}
-DEADLINE=$((SECONDS + 470))
+factor=${GPU_CHECK_TIME_FACTOR:-1}
+DEADLINE=$((SECONDS + 470 * factor))
 summary="$logs/summary.txt"
 : > "$summary"
 n=0
@@ -45,7 +48,7 @@ n=0
 # stage NAME BUDGET COMMAND...: runs COMMAND with its output in LOG_DIR/NN-NAME.log, stopped at
 # BUDGET seconds or at the deadline, whichever comes first.
 stage() {
-  local name=$1 budget=$2 start=$SECONDS status
+  local name=$1 budget=$(($2 * factor)) start=$SECONDS status
   shift 2
   n=$((n + 1))
   local log
@@ -106,13 +109,17 @@ PY
 }
 
 tests() {
-  local workers=4 extra=()
-  $small && workers=2
-  "$PY" -c "import pytest_timeout" 2> /dev/null && extra+=(--timeout 150)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -o addopts="" -p no:benchmark \
-    -p no:cacheprovider --import-mode=importlib -n "$workers" --dist loadfile -v -rfE \
-    "${extra[@]}" tests/test_low_precision.py tests/test_excess_precision.py \
-    tests/test_soundness.py tests/test_fp8.py tests/test_autocast_programs.py tests/conformance
+  local files=(tests/test_low_precision.py tests/test_excess_precision.py tests/test_soundness.py
+               tests/test_fp8.py tests/test_autocast_programs.py tests/conformance)
+  local options=(-o addopts="" -p no:benchmark -p no:cacheprovider --import-mode=importlib)
+  if $small; then
+    "$PY" -m pytest "${options[@]}" --co -q "${files[@]}" | tail -n 1 &&
+      "$PY" -m pytest "${options[@]}" -n 2 -v -rfE tests/test_excess_precision.py
+    return
+  fi
+  "$PY" -c "import pytest_timeout" 2> /dev/null && options+=(--timeout 150)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest "${options[@]}" -n 4 --dist loadfile -v \
+    -rfE "${files[@]}"
 }
 
 train_step() {
@@ -127,10 +134,10 @@ train_step() {
   return "$status"
 }
 
-export PY small
+export PY small factor
 export -f environment tests train_step
-stage environment 20 environment
-stage tests 190 tests
+stage environment 30 environment
+stage tests 180 tests
 stage train_step 120 train_step
 if $small; then
   stage compile 45 "$PY" benchmarks/bench_compile.py --leaves 10 --lm --repeats 1 --wall \
