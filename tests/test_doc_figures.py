@@ -44,7 +44,7 @@ def _regions():
 
 
 def _fix(names) -> str:
-  return f"python benchmarks/render_docs.py {' '.join(names)}"
+  return " ".join(["python benchmarks/render_docs.py", *names])
 
 
 @pytest.mark.parametrize("page, name", _regions())
@@ -54,7 +54,8 @@ def test_every_region_is_its_rendering(page, name):
     stale = render_docs.stale_regions(ROOT / page, only=[name])
   assert not stale, (
       f"{page}: the region {name!r} differs from what the code and benchmarks/results/ give; "
-      f"run `{_fix([name])}` (after `python benchmarks/refresh.py JOB` if a benchmark changed)")
+      f"run `{_fix([name])}` (`{_fix([])}` renders every region; it needs no benchmark run, "
+      "unless a benchmark's own output changed: then `python benchmarks/refresh.py JOB` first)")
 
 
 def test_the_line_counts_of_the_design_notes_are_the_files():
@@ -100,7 +101,7 @@ def test_the_recorded_drift_and_convergence_are_what_the_code_computes():
   now = {"drift": bench_low_precision.drift_figures(),
          "convergence": bench_low_precision.convergence_figures()}
   fix = ("run `python benchmarks/refresh.py low_precision_numerics` and "
-         f"`{_fix(['lowp-drift', 'lowp-convergence'])}`")
+         f"`{_fix([])}`")
   for rounding, figures in now["drift"].items():
     for key, value in figures.items():
       assert recorded["drift"][rounding][key] == pytest.approx(value, rel=1e-6), (
@@ -130,7 +131,8 @@ def _named(path: pathlib.Path) -> bool:
 def test_every_module_is_on_the_module_map():
   missing = [p.relative_to(SRC).as_posix() for p in sorted(SRC.rglob("*.py"))
              if p.name != "__init__.py" and not _named(p)]
-  assert not missing, f"docs/design.md's module map does not name {missing}"
+  assert not missing, (f"docs/design.md's module map does not name {missing}: add them to it by "
+                       "hand (render_docs.py does not write the map)")
 
 
 def _exists(name: str) -> bool:
@@ -147,7 +149,8 @@ def test_every_module_the_map_names_exists():
   named = set(re.findall(r"`([\w/{},]+\.py)`", MODULE_MAP))
   named |= set(re.findall(r"^\s+(?:\w+\s+)?(_src/[\w/{},]+\.py)", MODULE_MAP, re.M))
   gone = sorted(name for name in named if not _exists(name))
-  assert not gone, f"docs/design.md's module map names modules that do not exist: {gone}"
+  assert not gone, (f"docs/design.md's module map names modules that do not exist: {gone}; "
+                    "update the map by hand (render_docs.py does not write it)")
 
 
 # --- quoted messages and defaults ---------------------------------------------------------------
@@ -219,7 +222,9 @@ def test_the_warnings_and_errors_the_docs_quote_are_what_jaxamp_says():
   unmatched = [(page, kind, message) for page, kind, message in quotes
                if not any(kind.rsplit(".", 1)[-1] == got_kind
                           and _as_pattern(message).match(got) for got_kind, got in said)]
-  assert not unmatched, f"quoted in the docs but not said by jaxamp: {unmatched}; said: {said}"
+  assert not unmatched, (f"quoted in the docs but not said by jaxamp: {unmatched}; said: {said}. "
+                         "Edit the quote on that page to what jaxamp says (by hand: quotes are "
+                         "not rendered)")
 
 
 _DEFAULTS = re.compile(r"defaults? \(((?:`\w+=[^`]+`,?\s*)+)\)")
@@ -264,7 +269,8 @@ def test_the_defaults_the_docs_quote_are_the_signatures():
     if not any(type(d) is type(expected) and d == expected or (
         isinstance(d, float) and d == expected) for d in defaults.get(name, [])):
       wrong.append((page, name, value, defaults.get(name)))
-  assert not wrong, f"defaults quoted in the docs that no public signature has: {wrong}"
+  assert not wrong, (f"defaults quoted in the docs that no public signature has: {wrong}; edit "
+                     "the page to the signature's default (by hand: quotes are not rendered)")
 
 
 # --- the results files ------------------------------------------------------------------------
