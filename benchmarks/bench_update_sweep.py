@@ -201,20 +201,6 @@ MODES: Dict[str, Tuple[str, Dict[str, Callable]]] = {
 # ----------------------------------------------------------------------------- timing
 
 
-def make_runner(make_variant, inner, params, grads) -> Callable[[], None]:
-  """A zero-argument step on its own copy of ``params`` and its state (both donated)."""
-  init, step = make_variant(inner)
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  box = {"params": jax.tree.map(jnp.copy, params)}
-  box["state"] = jax.jit(init)(box["params"])
-
-  def run():
-    box["params"], box["state"] = jitted(box["params"], box["state"], grads)
-    jax.block_until_ready(box["params"])
-
-  return run
-
-
 def time_interleaved(steps: Dict[str, Callable[[], None]], rounds: int, min_sample: float
                      ) -> Tuple[Dict[str, List[float]], Dict[str, float]]:
   """Seconds per call of each step in each round, the steps interleaved in a rotating order.
@@ -264,7 +250,8 @@ def run_cell(leaves: int, elements: int, mode: str, clip: bool, variants: Sequen
   if clip:
     inner = optax.chain(optax.clip_by_global_norm(1.0), inner)
   names = [baseline] + [v for v in variants if v != baseline and v in makers]
-  steps = {name: make_runner(makers[name], inner, params, grads) for name in names}
+  steps = {name: bench_loss_scale.make_runner(makers[name], inner, params, grads)
+           for name in names}
   samples, faults = time_interleaved(steps, rounds, min_sample)
   del steps
   medians = {name: statistics.median(v) for name, v in samples.items()}

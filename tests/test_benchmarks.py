@@ -110,3 +110,27 @@ def test_the_compile_benchmark_traces_a_new_autocast_each_time():
   make = bench_compile.fresh(lambda p: p, True)
   assert make() != make()
   assert bench_compile.fresh(abs, False)() is abs
+
+
+def test_the_update_sweep_and_the_comparison_of_two_commits_read_what_they_write(tmp_path, capsys):
+  # The regression guard's parts, with no timing asserted: a sweep of one tiny cell in both modes
+  # writes a record per mode with every variant's ratio; its tables print; two runs compare cell
+  # by cell; a commit is exported with its name.
+  from benchmarks import bench_update_sweep as sweep
+  from benchmarks import compare_commits
+
+  out = tmp_path / "sweep.json"
+  with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+    run = sweep.main(["--cells", "2x1000", "--clip", "no", "--rounds", "1", "--min-sample", "0",
+                      "--json", str(out)])
+  records = run["results"]["records"]
+  assert [(r["mode"], r["baseline"]) for r in records] == [("given", "adam"),
+                                                          ("computed", "plain_f16")]
+  for r in records:
+    assert set(r["ratios"]) == {r["baseline"], "jaxamp", "apply_if_finite", "flax_dynamic_scale"}
+  sweep.main(["--markdown", str(out), "--before", str(out)])
+  assert "| 2 x 1,000 |" in capsys.readouterr().out
+  rows = compare_commits.compare([run], [run])
+  assert len(rows) == 2 * 3 and all(row["new_over_old"] == 1.0 for row in rows)
+  directory = compare_commits.export("HEAD", str(tmp_path))
+  assert (tmp_path / "jaxamp" / "__init__.py").exists() and directory == str(tmp_path)

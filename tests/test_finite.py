@@ -333,3 +333,32 @@ def test_the_update_of_given_gradients_stores_neither_their_unscaled_copy_nor_a_
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), params).compile()
   leaf_bytes = 4 * 4 * finite.OWN_FACTOR_MIN
   assert compiled.memory_analysis().temp_size_in_bytes < leaf_bytes
+
+
+def test_the_step_skips_on_every_unscaled_overflow_and_applies_the_rest_without_recompiling():
+  # Through the loss scaler's step, over every path of the check: a value that overflows only
+  # once unscaled (scale below 1), an inf or a nan in any leaf and at either end of it, skips;
+  # finite values as large as float32 allows are applied. One compilation for every scale.
+  tx = jaxamp.static_loss_scale(optax.sgd(1.0), 1.0)
+  params = {k: jnp.zeros(s, d) for k, (s, d) in _SHAPES.items() if d != jnp.complex64}
+  step = jax.jit(tx.update)
+
+  def grads(key=None, index=0, value=0.0):
+    tree = {k: np.ones(s, np.float32) for k, (s, _) in _SHAPES.items() if k in params}
+    if key is not None:
+      tree[key].reshape(-1)[index] = value
+    return {k: jnp.asarray(v).astype(params[k].dtype) for k, v in tree.items()}
+
+  cases = [(0.5, grads("big_b", -1, 1e38), True), (0.5, grads("big_b", -1, 2e38), False),
+           (0.5, grads("half_big", 0, 2e38), False), (0.5, grads("small_b", -1, 2e38), False),
+           (2.0**16, grads("mid", -1, F32_MAX), True)]
+  cases += [(scale, grads(key, index, value), False) for scale in (0.5, 2.0**16)
+            for key in params for index in (0, -1) for value in (math.inf, -math.inf, math.nan)]
+  for scale, g, applied in cases:
+    state = jaxamp.set_loss_scale(tx.init(params), scale)
+    updates, state = step(g, state, params)
+    assert int(state.skipped_steps) == (0 if applied else 1), (scale, g)
+    for u, x in zip(jax.tree.leaves(updates), jax.tree.leaves(g)):
+      want = -(x.astype(jnp.float32) / scale).astype(x.dtype) if applied else jnp.zeros_like(x)
+      np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(want, np.float32))
+  assert step._cache_size() == 1
