@@ -186,7 +186,7 @@ def _no_check(grads, scale, axis_name=None):
 
 def _flag_per_leaf(grads, scale, axis_name=None):
   # The check of an earlier jaxamp: each unscaled leaf's flag compared on its own (one small
-  # kernel per leaf), no stacking of small leaves.
+  # kernel per leaf).
   del axis_name
   unscaled = finite.unscale(grads, scale)
   flags = jnp.stack([jnp.isnan(finite.leaf_witness(x)) for x in finite.float_leaves(unscaled)])

@@ -8,7 +8,7 @@ product that overflows in the stored gradient can be finite inside the FMA),
 keep bfloat16/float16 intermediates in float32 (excess precision), and reorder
 reductions. A check that sums the gradients is defeated by the second: the
 sum's additions absorb the gradient's last multiply. So every check here obeys
-these rules:
+three rules:
 
 1. **Nothing adds a gradient element before rounding it.** The first operation
    applied to an element is a bitcast, an ``abs`` or a multiplication, never an
@@ -29,16 +29,6 @@ these rules:
    as exact, and the data-parallel reduction adds integers. A maximum is not
    used: XLA:CPU's vectorized library (YNNPACK) drops a nan from a maximum
    reduction of 4096 elements or more (jax 0.10.2).
-4. **The check decides on what the update reads** without reading the
-   unscaled gradients: for a scale of 1 or more an unscaled gradient is
-   finite exactly where the raw one is, and below 1 the check reads the same
-   rounded product as the update (see :func:`unscale_and_check`).
-
-Under excess precision (XLA:GPU keeps bfloat16/float16 values in float32
-where it removes a convert pair), the check of a half-precision leaf still
-reads the rounded value, through a bitcast (rule 2); where the update reads
-the float32 value instead, that value is finite whenever the rounded one is.
-A float32 or float64 leaf has no wider type for XLA to keep it in.
 
 One more property keeps the check and the update on the same values: each
 loss-scaling transformation passes the raw gradients through
@@ -51,7 +41,6 @@ elemental code), which the compiled-versus-eager tests exercise.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -117,13 +106,7 @@ def nonfinite_mask(x: jax.Array) -> jax.Array:
   return (bits & exponent) == exponent
 
 
-#: Leaves of at least this many elements have their float sums reduced by XLA:CPU's vectorized
-#: library (YNNPACK), one kernel that reads the leaf once and computes its elementwise operand on
-#: the fly; smaller leaves are reduced by XLA's own code, in kernels of their own.
-LIBRARY_REDUCTION_MIN = 4096
-
-
-def leaf_witness(x: jax.Array, stacked: bool = False) -> jax.Array:
+def leaf_witness(x: jax.Array) -> jax.Array:
   """A float32 scalar that is nan if the array ``x`` holds an inf or a nan, +0 otherwise.
 
   One reduction: a real leaf of 32 bits or more sums ``|x| - |x|``, which is
@@ -131,44 +114,13 @@ def leaf_witness(x: jax.Array, stacked: bool = False) -> jax.Array:
   leaves (half precision, complex, float8) sum nan where :func:`nonfinite_mask`
   is set and +0 elsewhere. Either sum is exact in any order. :func:`check`
   tests all the leaves' witnesses with one ``isnan``, so that no leaf needs a
-  kernel of its own for its flag. With ``stacked``, ``x`` holds several
-  leaves along its first axis, and the result has one witness per leaf.
+  kernel of its own for its flag.
   """
   x = jnp.asarray(x)
-  axes = tuple(range(1, x.ndim)) if stacked else None
   if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 4:
     magnitude = jnp.abs(x)
-    return jnp.sum(magnitude - magnitude, axis=axes).astype(jnp.float32)
-  return jnp.sum(jnp.where(nonfinite_mask(x), jnp.float32(jnp.nan), jnp.float32(0.0)), axis=axes)
-
-
-def witnesses(leaves: list) -> list:
-  """:func:`leaf_witness` of each leaf, with the small leaves of one shape reduced together.
-
-  XLA:CPU reduces a leaf of fewer than :data:`LIBRARY_REDUCTION_MIN` elements
-  with code of its own, in three kernels (the elementwise terms, written out,
-  then a two-level sum); a model with a thousand small leaves would run three
-  thousand more kernels for its check. Such leaves that share their shape,
-  dtype and mesh variation are stacked (the terms of a small leaf were
-  written out anyway) and reduced in one kernel, one witness per leaf. The
-  witnesses are the same: each is the exact sum of its own leaf's terms.
-  Larger leaves are reduced one by one, each read once by the library's
-  kernel.
-  """
-  groups: dict = {}
-  for i, x in enumerate(leaves):
-    key = ((x.shape, x.dtype, sharding.varying_axes(x)) if x.size < LIBRARY_REDUCTION_MIN
-           else i)
-    groups.setdefault(key, []).append(i)
-  out: list = [None] * len(leaves)
-  for members in groups.values():
-    if len(members) == 1:
-      out[members[0]] = leaf_witness(leaves[members[0]])
-    else:
-      stacked = leaf_witness(jnp.stack([leaves[i] for i in members]), stacked=True)
-      for row, i in enumerate(members):
-        out[i] = stacked[row]
-  return out
+    return jnp.sum(magnitude - magnitude).astype(jnp.float32)
+  return jnp.sum(jnp.where(nonfinite_mask(x), jnp.float32(jnp.nan), jnp.float32(0.0)))
 
 
 class Check(NamedTuple):
@@ -203,7 +155,13 @@ def check(tree: Any, axis_name: AxisName = None) -> Check:
     ValueError: as :func:`all_finite`.
   """
   axes = sharding.finite_reduction_axes(tree, axis_name)
-  return _decide(witnesses(float_leaves(tree)), axes)
+  leaves = float_leaves(tree)
+  flags = (jnp.isnan(jnp.stack([leaf_witness(x) for x in leaves])) if leaves
+           else jnp.zeros([0], jnp.bool_))
+  if axes:
+    # One integer all-reduce: the same flags, and so the same decision, everywhere.
+    flags = lax.psum(flags.astype(jnp.int32), axes) > 0
+  return Check(jnp.logical_not(jnp.any(flags)), flags)
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
@@ -283,21 +241,18 @@ def stored_once(tree: Any) -> Any:
   return jax.tree.map(lax.optimization_barrier, tree)
 
 
-def _huge_factors(scale: jax.Array, copies: int) -> tuple[jax.Array, ...]:
+def _huge_factors(scale: jax.Array) -> tuple[jax.Array, ...]:
   return (jnp.float32(1.0) / scale, jnp.ones([], jnp.bool_), jnp.float32(1.0 / _TWO_64),
-          jnp.float32(_TWO_64) / scale, jnp.ones([copies], jnp.float32))
+          jnp.float32(_TWO_64) / scale)
 
 
-def _normal_factors(scale: jax.Array, copies: int) -> tuple[jax.Array, ...]:
-  reciprocal = jnp.float32(1.0) / scale
-  # ``scale >= 1`` is false for a nan scale, whose nan reciprocal then fails every check.
-  check_factor = jnp.where(scale >= 1.0, jnp.float32(1.0), reciprocal)
-  return (reciprocal, jnp.zeros([], jnp.bool_), jnp.float32(1.0), reciprocal,
-          jnp.broadcast_to(check_factor, [copies]))
+def _normal_factors(scale: jax.Array) -> tuple[jax.Array, ...]:
+  return (jnp.float32(1.0) / scale, jnp.zeros([], jnp.bool_), jnp.float32(1.0),
+          jnp.float32(1.0) / scale)
 
 
 class Unscaling(NamedTuple):
-  """How :func:`unscale` multiplies by ``float32(1 / scale)``, and what the check multiplies by.
+  """How :func:`unscale` multiplies by ``float32(1 / scale)``, computed once per step.
 
   Attributes:
     reciprocal: ``float32(1 / scale)``.
@@ -305,30 +260,23 @@ class Unscaling(NamedTuple):
       denormal that XLA flushes to zero on CPU.
     first: a normal float32 factor; ``first * second == float32(1 / scale)``.
     second: the other factor.
-    check: float32 vector of copies of the factor :func:`unscale_and_check`
-      multiplies each raw gradient by before its witness: 1 for a scale of 1
-      or more, ``reciprocal`` below 1, nan for a nan scale.
   """
 
   reciprocal: jax.Array
   huge: jax.Array
   first: jax.Array
   second: jax.Array
-  check: jax.Array
 
 
-def unscale_factors(scale: jax.Array, copies: int = 1) -> Unscaling:
-  """The :class:`Unscaling` of ``scale``, with ``copies`` copies of the check's factor.
+def unscale_factors(scale: jax.Array) -> Unscaling:
+  """The :class:`Unscaling` of ``scale``.
 
   Every field comes out of a ``lax.cond``, not a ``where``: XLA:CPU fuses
   scalar code into each elementwise kernel that uses it and re-runs it there
-  for every element; a conditional's results are computed once. The copies
-  of the check's factor are distinct values to XLA, so that it cannot merge
-  the broadcasts of the leaves that read them (see :func:`unscale_and_check`).
+  for every element; a conditional's results are computed once.
   """
   scale = jnp.asarray(scale, jnp.float32)
-  return Unscaling(*lax.cond(scale >= DENORMAL_RECIPROCAL, functools.partial(_huge_factors, copies=copies),
-                             functools.partial(_normal_factors, copies=copies), scale))
+  return Unscaling(*lax.cond(scale >= DENORMAL_RECIPROCAL, _huge_factors, _normal_factors, scale))
 
 
 def unscale(tree: Any, scale: jax.Array) -> Any:
@@ -366,81 +314,13 @@ def unscale_leaf(g: Any, unscaling: Unscaling) -> Any:
   return jnp.where(unscaling.huge, split, x * unscaling.reciprocal.astype(compute)).astype(g.dtype)
 
 
-#: A leaf of at least this many elements that shares its shape with another gets a copy of the
-#: check's factor of its own (see :func:`unscale_and_check`); below, a broadcast of the factor that
-#: several leaves read stays in the cache (256 KiB of float32), and a copy would cost a kernel.
-OWN_FACTOR_MIN = 65536
-
-
-def _check_factor_slots(leaves: list) -> list[int]:
-  """Which copy of the check's factor each leaf multiplies by (see :func:`unscale_and_check`).
-
-  A leaf of :data:`OWN_FACTOR_MIN` elements or more whose shape and dtype
-  another such leaf shares gets a copy of its own (1, 2, ...); every other
-  leaf reads copy 0.
-  """
-  counts: dict = {}
-  for x in leaves:
-    if x.size >= OWN_FACTOR_MIN:
-      counts[(x.shape, x.dtype)] = counts.get((x.shape, x.dtype), 0) + 1
-  slots, next_slot = [], 1
-  for x in leaves:
-    if counts.get((x.shape, x.dtype), 0) > 1:
-      slots.append(next_slot)
-      next_slot += 1
-    else:
-      slots.append(0)
-  return slots
-
-
-def _times(g: jax.Array, factor: jax.Array) -> jax.Array:
-  """``g * factor``, computed as :func:`unscale_leaf` computes its product, in ``g``'s dtype."""
-  if jnp.issubdtype(g.dtype, jnp.complexfloating):
-    return lax.complex(_times(g.real, factor), _times(g.imag, factor))
-  compute = g.dtype if g.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
-  return (g.astype(compute) * factor.astype(compute)).astype(g.dtype)
-
-
-def _decide(leaf_witnesses: list, axes: tuple) -> Check:
-  flags = (jnp.isnan(jnp.stack(leaf_witnesses)) if leaf_witnesses
-           else jnp.zeros([0], jnp.bool_))
-  if axes:
-    # One integer all-reduce: the same flags, and so the same decision, everywhere.
-    flags = lax.psum(flags.astype(jnp.int32), axes) > 0
-  return Check(jnp.logical_not(jnp.any(flags)), flags)
-
-
 def unscale_and_check(grads: Any, scale: jax.Array, axis_name: AxisName = None
                       ) -> tuple[Any, Check]:
-  """``unscale(grads, scale)`` and its :class:`Check`, which reads each raw gradient once.
+  """``unscale(grads, scale)`` and the :func:`check` of it: what a loss-scaled step reads.
 
-  The check does not read the unscaled gradients; it reads each raw gradient
-  ``g`` times a factor ``c``, with one :func:`leaf_witness` per leaf:
-
-  - For a scale of 1 or more, ``c = 1``: the unscaled gradient is finite
-    exactly where the raw one is. Unscaling multiplies by factors of at most
-    1 (``float32(1 / scale)``, or ``2^-64`` and ``2^64 / scale``), and a
-    rounded product is never larger in magnitude than the exact one, so a
-    finite element stays finite; an inf or a nan times a positive factor
-    stays inf or nan. No FMA can change that: a product of a finite value
-    and a factor of at most 1 is finite whether rounded or not.
-  - Below 1, ``c = float32(1 / scale)``: the check reads ``g * c``, the same
-    product that the update reads, rounded in the same dtype (half-precision
-    leaves are judged on the bits of the rounded product).
-  - For a nan scale, ``c`` is nan, and every leaf fails, as every unscaled
-    element is nan.
-
-  So the check reads the gradients the optimizer reads, and the unscaled
-  gradients need not be stored for it: XLA computes them inside the
-  optimizer's own kernels. On XLA:CPU the witness of a leaf of
-  :data:`LIBRARY_REDUCTION_MIN` elements or more is one library kernel that
-  computes ``|g * c| - |g * c|`` as it reads ``g``. The library kernel cannot
-  take a broadcast of ``c`` that another kernel reads too, and XLA merges
-  the broadcasts of leaves of one shape into one, which it then writes out
-  and every such leaf's kernel reads besides its gradient; so leaves of
-  :data:`OWN_FACTOR_MIN` elements or more that share a shape each multiply
-  by a copy of ``c`` of their own (one small kernel each). Smaller leaves
-  are checked as :func:`witnesses` checks them.
+  The check reads the unscaled gradients, the values the optimizer reads,
+  so it holds for every scale: below 1, where unscaling can overflow a
+  finite gradient, and for a nan scale, which makes every element nan.
 
   Args:
     grads: a pytree of (scaled) gradients.
@@ -453,21 +333,12 @@ def unscale_and_check(grads: Any, scale: jax.Array, axis_name: AxisName = None
   Raises:
     ValueError: as :func:`all_finite`.
   """
-  axes = sharding.finite_reduction_axes(grads, axis_name)
-  leaves = float_leaves(grads)
-  slots = _check_factor_slots(leaves)
-  unscaling = unscale_factors(scale, copies=max(slots, default=0) + 1)
-  unscaled = jax.tree.map(lambda g: unscale_leaf(g, unscaling), grads)
-  operands = [_times(x, unscaling.check[slot]) for x, slot in zip(leaves, slots)]
-  return unscaled, _decide(witnesses(operands), axes)
+  unscaled = unscale(grads, scale)
+  return unscaled, check(unscaled, axis_name)
 
 
 def unscaled_check(grads: Any, scale: jax.Array, axis_name: AxisName = None) -> Check:
-  """:func:`check` of ``unscale(grads, scale)``: whether the unscaled gradients are finite.
-
-  The same flags as ``check(unscale(grads, scale), axis_name)``, read from
-  the raw gradients as :func:`unscale_and_check` reads them.
-  """
+  """:func:`check` of ``unscale(grads, scale)``: whether the unscaled gradients are finite."""
   return unscale_and_check(grads, scale, axis_name)[1]
 
 

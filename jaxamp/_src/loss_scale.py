@@ -295,8 +295,7 @@ def _scaling(inner: Any, init_scale: float, rule: ScaleRule, axis_name: finite.A
     if len(finite.float_leaves(grads)) != state.nonfinite_leaves.shape[0]:
       raise ValueError(f"the gradients have {len(finite.float_leaves(grads))} floating leaves, the "
                        f"params the state was initialised with {state.nonfinite_leaves.shape[0]}")
-    # The check reads each raw gradient once and decides on the unscaled values, which XLA
-    # then computes inside the inner update's kernels (see finite.unscale_and_check).
+    # The check reads the unscaled gradients, the values the update reads.
     unscaled, check = finite.unscale_and_check(grads, state.scale, axis_name)
     updates, inner_state = selective_update.select_update(
         check.finite, lambda: inner.update(unscaled, state.inner_state, params, **extra_args),
@@ -367,13 +366,10 @@ def dynamic_loss_scale(
 
   The finite check holds whatever XLA does with the compiled step (fusion,
   FMA contraction, excess precision, reordered sums; see
-  ``docs/concepts.md``). It reads each raw gradient once, one reduction
-  per leaf: a sum of ``|g * c| - |g * c|`` for leaves of 32 bits or more
+  ``docs/concepts.md``). It reads each unscaled gradient once, one
+  reduction per leaf: a sum of ``|g| - |g|`` for leaves of 32 bits or more
   (+0 for a finite element, nan otherwise, in any order), the bits of the
-  others, where ``c`` is 1 for a scale of 1 or more (the unscaled gradients
-  are then finite exactly where the raw ones are) and the unscaling factor
-  below 1; the unscaled gradients themselves are computed inside the
-  optimizer's kernels. The skip costs nothing more: the inner
+  others. The skip costs nothing more: the inner
   update is traced and its new state selected where it is computed, so that
   XLA fuses the selection into the inner update's own elementwise kernels
   (see ``benchmarks/bench_update_sweep.py``).
