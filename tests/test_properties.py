@@ -9,12 +9,21 @@ mutants of ``.ci/semantic_mutants.toml`` plant them one at a time, and
 - The scale rule (the scale, its counters, the skip streak and the stall) over
   a long run with sparse overflows, through every loss scaler: the functional
   core, ``TrainState``, ``jaxamp.nnx.Optimizer``, both ``GradScaler``s and
-  ``AmpOptimWrapper``, step by step against a pure-Python model.
+  ``AmpOptimWrapper``, step by step against a pure-Python model; each stall
+  reported once, a later one again.
 - Counters saturate at their dtype's maximum.
 - ``validate_opt_state`` refuses each field's out-of-range values.
 - Statistics are written on every micro-step that is not skipped.
 - Stochastic rounding draws independent bits for each leaf, position and step;
-  Kahan's compensation survives a parameter crossing a power of two.
+  Kahan's compensation survives a parameter crossing a power of two; an
+  unchanged parameter keeps its bits.
+- Older behaviours: the scalers check the unscaled gradients, Paddle's takes
+  float16 gradients, the skip counts of a scaler and an accumulator add up
+  (``'-inf'`` norms and ``flat_decay_mult`` on scalars are tested in
+  ``tests/test_train_state_edges.py`` and ``tests/test_facade_edges.py``).
+
+Flax's fp8 values have theirs in ``tests/test_fp8.py`` and, across devices,
+``tests/multidevice/test_fp8_sharded.py``.
 """
 
 from __future__ import annotations
@@ -447,7 +456,7 @@ def test_kahan_keeps_the_float32_sum_while_the_weight_crosses_powers_of_two(dire
   assert crossed.all()
 
 
-# -- five older behaviours --------------------------------------------------------------------
+# -- older behaviours --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("unscale_first", [True, False], ids=["unscale_", "step"])
