@@ -285,7 +285,8 @@ def _check_composition(opt_state: optax.OptState, path: Any) -> None:
             "around the partition: jaxamp.dynamic_loss_scale(optax.partition(...)).")
     if (_is_optax_wrapper(node) and type(node) not in _AROUND_SCALER
         and isinstance(key, jax.tree_util.GetAttrKey)):
-      own = [f for f in node._fields if f != key.name and jax.tree.leaves(getattr(node, f))]
+      wrapper: Any = node  # an optax NamedTuple state (_is_optax_wrapper)
+      own = [f for f in wrapper._fields if f != key.name and jax.tree.leaves(getattr(node, f))]
       if own:
         kind = type(node).__name__
         if kind == "ScheduleFreeState":
