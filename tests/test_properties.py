@@ -492,6 +492,20 @@ def test_paddle_scaler_takes_float16_gradients(how):
   np.testing.assert_array_equal(opt.params["w"], np.full(2, 0.5, np.float16))
 
 
+def test_skipped_steps_add_up_over_the_scalers_of_several_optimizers():
+  # Two optimizers, each with its own scaler (a generator and a discriminator), in one state
+  # tree: the skipped steps are their total, whichever skipped more.
+  txs = {k: jaxamp.dynamic_loss_scale(optax.sgd(0.1)) for k in ("gen", "disc")}
+  states = {k: tx.init(W) for k, tx in txs.items()}
+  skips = {"gen": [True, False, True], "disc": [True, True, False, True, False]}
+  for k, pattern in skips.items():
+    update = jax.jit(txs[k].update)
+    for bad in pattern:
+      _, states[k] = update({"w": _x(bad)}, states[k], W)
+  assert int(jaxamp.skipped_steps(states)) == 2 + 3
+  assert int(jaxamp.step_metrics(states)["skipped_steps"]) == 5
+
+
 def test_step_metrics_count_the_windows_the_accumulator_dropped():
   # The per-micro-step nesting: the scaler checks each micro-step, and the accumulator drops a
   # window whose finite micro-steps sum to an inf. Both count as skipped steps.
