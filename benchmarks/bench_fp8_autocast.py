@@ -34,8 +34,8 @@ scaling) and everything else as ``autocast(loss, jnp.bfloat16)``.
   on dequantized float8 operands. On a CPU the time means nothing (float8 is
   emulated): run it there at a small size only to see that it works.
 
-``--json PATH`` writes the results with the commit, date, machine and JAX
-version.
+``--json PATH`` writes ``{"runs": [{"provenance": ..., "results": ...}]}``:
+the results with the command, commit, date, machine and versions.
 
 Run: ``python benchmarks/bench_fp8_autocast.py --json fp8_numerics.json``, and on an H200
 ``python benchmarks/bench_fp8_autocast.py --what speed --d 4096 --json fp8_speed.json``.
@@ -48,9 +48,10 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import jax
 import jax.numpy as jnp
@@ -75,21 +76,42 @@ F8_GEMM = "__cublas$lt$matmul$f8"
 # ----------------------------------------------------------------------------- helpers
 
 
-def run_metadata() -> dict:
-  """The commit, date, machine and library versions a result was measured with."""
+def _git(*args: str) -> str:
   try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip())
-  except (OSError, subprocess.CalledProcessError):
-    commit, dirty = None, None
-  return {"commit": commit, "dirty": dirty,
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return ""
+
+
+def provenance(argv: List[str]) -> dict:
+  """Where a run comes from: the command (of arguments ``argv``), commit, date, machine, versions."""
+  cpu = platform.processor() or platform.machine()
+  if os.path.exists("/proc/cpuinfo"):
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                 cpu)
+  args = list(argv)
+  if "--json" in args:
+    del args[args.index("--json"):args.index("--json") + 2]
+  return {"command": shlex.join(["python", "benchmarks/bench_fp8_autocast.py", *args]),
+          "commit": _git("rev-parse", "--short=7", "HEAD"),
+          "uncommitted_changes": bool(_git("status", "--porcelain", "--", "jaxamp",
+                                           "benchmarks/bench_*.py", "benchmarks/common.py")),
+          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+          "machine": {"cpu": cpu, "cores": os.cpu_count(), "system": platform.system(),
+                      "load_average": [round(x, 2) for x in os.getloadavg()]},
           "devices": device_summary(), "jax": jax.__version__, "jaxlib": jax.lib.__version__,
           "python": platform.python_version()}
+
+
+def write_json(path: str, results: dict, argv: List[str]) -> None:
+  """Writes ``{"runs": [{"provenance": ..., "results": results}]}`` to ``path``."""
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump({"runs": [{"provenance": provenance(argv), "results": results}]}, f, indent=1,
+              sort_keys=True)
+    f.write("\n")
+  print(f"wrote {path}")
 
 
 def _flat(tree) -> np.ndarray:
@@ -374,7 +396,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--json", default=None, help="write the results here")
   args = parser.parse_args(argv)
   print(device_summary())
-  result: Dict[str, Any] = {"benchmark": "fp8_autocast", "meta": run_metadata()}
+  result: Dict[str, Any] = {}
   if args.what in ("numerics", "lm"):
     result["lm"] = lm_numerics(args.steps, args.width, args.layers, args.vocab, args.batch,
                                args.length, args.lr, min_dim=args.lm_min_dim)
@@ -387,9 +409,7 @@ def main(argv=None) -> dict:
                             args.rounds, args.inner, args.min_dim)
     print_speed(result["speed"])
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(args.json, result, sys.argv[1:] if argv is None else list(argv))
   return result
 
 
