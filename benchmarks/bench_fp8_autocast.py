@@ -44,14 +44,9 @@ Run: ``python benchmarks/bench_fp8_autocast.py --json fp8_numerics.json``, and o
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import shlex
-import subprocess
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +60,7 @@ import jaxamp  # noqa: E402
 from benchmarks.bench_low_precision import bigram_corpus  # noqa: E402
 from benchmarks.bench_train_step import lm_loss, make_lm  # noqa: E402
 from benchmarks.common import device_summary, interleaved_medians, print_ratios  # noqa: E402
+from benchmarks.record import add_json_args, write_json  # noqa: E402
 from tests._hlo import fp8_products  # noqa: E402
 
 FP8, BF16, F32 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -74,44 +70,6 @@ F8_GEMM = "__cublas$lt$matmul$f8"
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _git(*args: str) -> str:
-  try:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True,
-                          timeout=30).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return ""
-
-
-def provenance(argv: List[str]) -> dict:
-  """Where a run comes from: the command (of arguments ``argv``), commit, date, machine, versions."""
-  cpu = platform.processor() or platform.machine()
-  if os.path.exists("/proc/cpuinfo"):
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                 cpu)
-  args = list(argv)
-  if "--json" in args:
-    del args[args.index("--json"):args.index("--json") + 2]
-  return {"command": shlex.join(["python", "benchmarks/bench_fp8_autocast.py", *args]),
-          "commit": _git("rev-parse", "--short=7", "HEAD"),
-          "uncommitted_changes": bool(_git("status", "--porcelain", "--", "jaxamp",
-                                           "benchmarks/bench_*.py", "benchmarks/common.py")),
-          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-          "machine": {"cpu": cpu, "cores": os.cpu_count(), "system": platform.system(),
-                      "load_average": [round(x, 2) for x in os.getloadavg()]},
-          "devices": device_summary(), "jax": jax.__version__, "jaxlib": jax.lib.__version__,
-          "python": platform.python_version()}
-
-
-def write_json(path: str, results: dict, argv: List[str]) -> None:
-  """Writes ``{"runs": [{"provenance": ..., "results": results}]}`` to ``path``."""
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump({"runs": [{"provenance": provenance(argv), "results": results}]}, f, indent=1,
-              sort_keys=True)
-    f.write("\n")
-  print(f"wrote {path}")
 
 
 def _flat(tree) -> np.ndarray:
@@ -393,7 +351,7 @@ def main(argv=None) -> dict:
                       help="speed: the rule's min_dim (default Fp8Rule's)")
   parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument("--inner", type=int, default=3)
-  parser.add_argument("--json", default=None, help="write the results here")
+  add_json_args(parser)
   args = parser.parse_args(argv)
   print(device_summary())
   result: Dict[str, Any] = {}
@@ -408,8 +366,8 @@ def main(argv=None) -> dict:
     result["speed"] = speed(args.d, args.speed_batch, args.seq, args.heads or max(1, args.d // 128),
                             args.rounds, args.inner, args.min_dim)
     print_speed(result["speed"])
-  if args.json:
-    write_json(args.json, result, sys.argv[1:] if argv is None else list(argv))
+  write_json(args.json, result, args.append,
+             argv=None if argv is None else ["benchmarks/bench_fp8_autocast.py", *argv])
   return result
 
 

@@ -71,6 +71,7 @@ import optax  # noqa: E402
 
 import jaxamp  # noqa: E402
 from benchmarks import bench_loss_scale  # noqa: E402
+from benchmarks.record import cpu_model  # noqa: E402
 from benchmarks.bench_loss_scale import INIT_SCALE  # noqa: E402
 
 # ----------------------------------------------------------------------------- the grid
@@ -293,18 +294,6 @@ def _reproducing(argv: Sequence[str]) -> List[str]:
     elif arg != "--append" and not arg.startswith(("--json=", "--jaxamp=")):
       out.append(arg)
   return out
-
-
-def cpu_model() -> str:
-  """The CPU's model name (from ``/proc/cpuinfo`` on Linux), else the platform's processor."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
 
 
 def provenance(argv: Sequence[str], jaxamp_path: str) -> Dict[str, Any]:
