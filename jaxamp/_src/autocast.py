@@ -345,7 +345,7 @@ def _without_fp8(run: _Run) -> _Run:
   """``run`` with its products in bfloat16: fp8 products (``custom_vjp``) cannot be transposed."""
   if run.cfg.fp8 is None:
     return run
-  inner = _Run(dataclasses.replace(run.cfg, fp8=None))
+  inner = _Run(dataclasses.replace(run.cfg, fp8=None), run.broken)
   inner.warned = run.warned
   return inner
 
