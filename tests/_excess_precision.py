@@ -129,7 +129,7 @@ def collapse_conversions(fn: Callable[..., Any]) -> Callable[..., Any]:
     >>> round_trip = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
     >>> x = jnp.float32(1.001)
     >>> float(round_trip(x)), float(collapse_conversions(round_trip)(x))
-    (1.0, 1.00100004673004)
+    (1.0, 1.0010000467300415)
   """
 
   def collapsed(*args: Any) -> Any:

@@ -177,7 +177,7 @@ def _as_pattern(message: str) -> re.Pattern:
 
 
 def _stall_messages():
-  """jaxamp's stall warnings, with the defaults: a facade's and the functional core's."""
+  """jaxamp's stall warnings: a facade's (the default) and the functional core's (``on_stall="warn"``)."""
   params = {"enc": jnp.ones(3), "dec": jnp.ones(2)}
 
   def loss(p, x):
@@ -185,7 +185,7 @@ def _stall_messages():
 
   opt = jaxamp.OptimWrapper(optax.sgd(0.1), params)
   scaler = jaxamp.GradScaler()
-  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), on_stall="warn")
 
   @jax.jit
   def step(state, x):

@@ -301,7 +301,7 @@ def test_fp8_autocast_is_asked_for_by_dtype_or_name(dtype):
   f = jaxamp.autocast(jnp.matmul, dtype, fp8=SMALL)
   assert f == jaxamp.autocast(jnp.matmul, jnp.float8_e4m3fn, fp8=jaxamp.Fp8Rule(min_dim=16))
   assert "float8_e4m3fn" in repr(f) and "min_dim=16" in repr(f)
-  assert any(e.outvars[0].aval.dtype == E4M3 for e in equations(jax.make_jaxpr(f)(X, X).jaxpr))
+  assert any(e.outvars[0].aval.dtype == E4M3 for e, _ in equations(jax.make_jaxpr(f)(X, X).jaxpr))
 
 
 @pytest.mark.parametrize("dtype, fp8, error, match", [
@@ -553,7 +553,7 @@ def test_flax_fp8_layers_are_left_as_they_are():
 
   def quantizations(fn):
     return sum(e.primitive.name == "convert_element_type" and e.params["new_dtype"] == E4M3
-               for e in equations(jax.make_jaxpr(fn)(variables, X).jaxpr))
+               for e, _ in equations(jax.make_jaxpr(fn)(variables, X).jaxpr))
 
   fp8_fn = jaxamp.autocast(loss, jnp.float8_e4m3fn, fp8=SMALL)
   # Flax's layer quantizes its two operands itself; fp8 autocast adds the plain Dense's two.
