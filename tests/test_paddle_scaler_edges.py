@@ -61,7 +61,11 @@ def _compilations():
   try:
     yield seen
   finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
+    unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+    if unregister is None:  # jax before 0.8 has only the private spelling
+      from jax._src import monitoring  # pylint: disable=g-import-not-at-top
+      unregister = monitoring._unregister_event_duration_listener_by_callback
+    unregister(listener)
 
 
 # -- refused values ---------------------------------------------------------------------------
