@@ -696,12 +696,18 @@ def test_the_fp8_train_step_compiles_once(count_traces):
   assert counter["n"] == 1 and int(state.step) == 2
 
 
-@_NEWER_FLAX_FP8
-def test_grad_scaler_step_without_unscale_leaves_the_read_fp8_values_unscaled():
+def _scaled_backward():
+  """Flax's fp8 snippet, and an ``OptimWrapper`` of it after a ``GradScaler``-scaled backward pass."""
   model, variables, x = _snippet()
   wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), variables)
   scaler = jaxamp.GradScaler()
   wrapper.backward(scaler.scale(_loss(model)), x)
+  return (model, variables, x), wrapper, scaler
+
+
+@_NEWER_FLAX_FP8
+def test_grad_scaler_step_without_unscale_leaves_the_read_fp8_values_unscaled():
+  _, wrapper, scaler = _scaled_backward()
   returned = wrapper.grads[OWG]  # read before the step: nothing to unscale yet
   scaler.step(wrapper)  # unscales, checks and applies in one call (apply_scaled_gradients)
   scaler.update()
@@ -711,10 +717,7 @@ def test_grad_scaler_step_without_unscale_leaves_the_read_fp8_values_unscaled():
 
 @_NEWER_FLAX_FP8
 def test_grad_scaler_unscale_leaves_the_fp8_state_unscaled():
-  model, variables, x = _snippet()
-  wrapper = jaxamp.OptimWrapper(optax.sgd(0.1), variables)
-  scaler = jaxamp.GradScaler()
-  wrapper.backward(scaler.scale(_loss(model)), x)
+  (model, variables, x), wrapper, scaler = _scaled_backward()
   scaler.unscale_(wrapper)  # PyTorch's recipe: unscale (to clip, say), then step
   scaler.step(wrapper)
   scaler.update()
