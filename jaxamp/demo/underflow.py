@@ -225,7 +225,7 @@ def plot(config: UnderflowConfig, runs: dict[str, Any], path: str) -> None:
                fontsize=8)
   ax_grad.set_yscale("log")
   ax_grad.set_ylim(min(1e-11, magnitudes[:, 0].min() / 3),
-                   max(1e-1, (magnitudes[:, 2] * scale).max() * 30))
+                   max(1e-1, float(np.max(magnitudes[:, 2])) * scale * 30))
   ax_grad.set_xticks(layers)
   ax_grad.set_xlabel("layer (input -> output)")
   ax_grad.set_ylabel("|weight gradient|")

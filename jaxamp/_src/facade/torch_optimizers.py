@@ -269,7 +269,7 @@ def torch_adagrad(learning_rate, lr_decay, weight_decay, eps, initial_accumulato
 _IGNORED = ("foreach", "differentiable", "fused", "capturable")
 
 #: The dtype of the injected hyperparameters in the state.
-STATE_DTYPE = jnp.float32
+STATE_DTYPE = jnp.dtype(jnp.float32)
 
 
 # PyTorch's range checks of the arguments that must be >= 0, in the order they run, with the names
