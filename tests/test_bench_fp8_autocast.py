@@ -13,6 +13,8 @@ import pytest
 
 from benchmarks import bench_fp8_autocast as bench
 
+pytestmark = pytest.mark.benchmarks  # run by `pytest -m benchmarks` (.ci/run does)
+
 
 @pytest.fixture(scope="module")
 def lm():

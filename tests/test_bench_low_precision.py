@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks import bench_low_precision as bench
 
+pytestmark = pytest.mark.benchmarks  # run by `pytest -m benchmarks` (.ci/run does)
+
 
 @pytest.fixture(scope="module")
 def final():

@@ -8,6 +8,8 @@ import pytest
 
 from benchmarks import bench_train_step as bench
 
+pytestmark = pytest.mark.benchmarks  # run by `pytest -m benchmarks` (.ci/run does)
+
 STEPS = 3
 
 
