@@ -154,19 +154,10 @@ def check(tree: Any, axis_name: AxisName = None) -> Check:
   Raises:
     ValueError: as :func:`all_finite`.
   """
-  return _combine(_local_flags(tree), sharding.finite_reduction_axes(tree, axis_name))
-
-
-def _local_flags(tree: Any) -> jax.Array:
-  """For each floating leaf of ``tree``, whether it holds an inf or a nan (no collective)."""
+  axes = sharding.finite_reduction_axes(tree, axis_name)
   leaves = float_leaves(tree)
-  if not leaves:
-    return jnp.zeros([0], jnp.bool_)
-  return jnp.isnan(jnp.stack([leaf_witness(x) for x in leaves]))
-
-
-def _combine(flags: jax.Array, axes: Any) -> Check:
-  """The :class:`Check` of per-leaf ``flags``, combined over the mapped ``axes``."""
+  flags = (jnp.isnan(jnp.stack([leaf_witness(x) for x in leaves])) if leaves
+           else jnp.zeros([0], jnp.bool_))
   if axes:
     # One integer all-reduce: the same flags, and so the same decision, everywhere.
     flags = lax.psum(flags.astype(jnp.int32), axes) > 0
@@ -327,16 +318,9 @@ def unscale_and_check(grads: Any, scale: jax.Array, axis_name: AxisName = None
                       ) -> tuple[Any, Check]:
   """``unscale(grads, scale)`` and the :func:`check` of it: what a loss-scaled step reads.
 
-  The check holds for the unscaled gradients, the values the optimizer reads,
-  for every scale. For a scale of 1 or more it reads the raw gradients: there
-  ``|unscaled| <= |raw|``, so an unscaled element is finite exactly when its
-  raw element is (an inf stays inf or becomes nan for an infinite scale, a nan
-  stays nan). Below 1, where unscaling can overflow a finite gradient, and for
-  a nan scale, which makes every element nan, it reads the unscaled values,
-  which it computes for itself. A ``lax.cond`` chooses, so the step reads each
-  gradient once for its check: the unscaled gradients are not a value that
-  both the check's reduction and the optimizer read, which XLA would write out
-  for them (one more write and read of every gradient).
+  The check reads the unscaled gradients, the values the optimizer reads,
+  so it holds for every scale: below 1, where unscaling can overflow a
+  finite gradient, and for a nan scale, which makes every element nan.
 
   Args:
     grads: a pytree of (scaled) gradients.
@@ -349,11 +333,8 @@ def unscale_and_check(grads: Any, scale: jax.Array, axis_name: AxisName = None
   Raises:
     ValueError: as :func:`all_finite`.
   """
-  scale = jnp.asarray(scale, jnp.float32)
-  axes = sharding.finite_reduction_axes(grads, axis_name)
-  flags = lax.cond(scale >= 1, _local_flags,
-                   lambda g: _local_flags(unscale(g, scale)), grads)
-  return unscale(grads, scale), _combine(flags, axes)
+  unscaled = unscale(grads, scale)
+  return unscaled, check(unscaled, axis_name)
 
 
 def unscaled_check(grads: Any, scale: jax.Array, axis_name: AxisName = None) -> Check:
