@@ -10,7 +10,9 @@ script prints each variant's total as a multiple of adam's and of one read of
 the gradients, and with ``--kernels`` the kernels of one variant, largest first.
 
 Deterministic, unlike the timings: it explains them. A conditional counts as the
-kernels of its branch that moves the most bytes (the one a finite step takes).
+kernels of its last branch, a ``lax.cond``'s true branch: the one that a finite
+step with a scale of 1 or more takes in each conditional that moves arrays
+(jaxamp's check of the raw gradients, ``apply_if_finite``'s update).
 
 Run: ``python benchmarks/update_traffic.py [--cells 4x1048576,32x131072] [--clip no|yes|both]
 [--kernels VARIANT]``.
@@ -81,10 +83,9 @@ def _kernels_of(computations: Dict[str, List[str]], name: str) -> List[Tuple[str
     if opcode in _FREE:
       continue
     if opcode == "conditional":
-      # The kernels of the branch that moves the most, as if it were taken.
+      # The kernels of the last branch: a lax.cond's true branch (see the module docstring).
       branches = re.findall(r"(%[\w.\-]+)", rest.split("computation", 1)[1])
-      out += max((_kernels_of(computations, b) for b in branches if b in computations),
-                 key=lambda ks: sum(k[2] + k[3] for k in ks), default=[])
+      out += _kernels_of(computations, branches[-1])
       continue
     operands = rest.split(")", 1)[0]  # operand names end at the first closing parenthesis
     read = sum(sizes.get(op, 0) for op in set(re.findall(r"%[\w.\-]+", operands)))
@@ -95,7 +96,7 @@ def _kernels_of(computations: Dict[str, List[str]], name: str) -> List[Tuple[str
 def kernels(hlo_text: str) -> List[Tuple[str, str, int, int]]:
   """``(name, opcode, bytes read, bytes written)`` of each kernel the compiled program runs.
 
-  A conditional contributes the kernels of its branch that moves the most bytes.
+  A conditional contributes the kernels of its last branch.
   """
   return _kernels_of(_computations(hlo_text), "ENTRY")
 
