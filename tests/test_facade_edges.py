@@ -1061,6 +1061,9 @@ def test_numpy_params_given_to_a_wrapper_are_copied_to_the_device():
     mine[:] = 7.0  # the caller's array is the caller's own
     assert isinstance(wrapper.params["w"], jax.Array)
     np.testing.assert_array_equal(wrapper.params["w"], [1.0, 1.0])
+    wrapper.params = {"w": mine}  # so is one given to the setter
+    mine[:] = 3.0
+    np.testing.assert_array_equal(wrapper.params["w"], [7.0, 7.0])
 
 
 def test_a_loaded_state_casts_numbers_only_and_refuses_other_leaves_by_name():

@@ -72,8 +72,14 @@ def check_params(params: Any) -> Any:
     if not jnp.issubdtype(leaf.dtype, jnp.floating):
       raise TypeError(f"params leaf {where(path)} has dtype {leaf.dtype}; only floating-point "
                       "parameters can be optimized (keep other state outside the wrapper)")
-    out.append(leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf))
+    out.append(leaf if isinstance(leaf, jax.Array) else jnp.asarray(_private_copy(leaf)))
   return jax.tree.unflatten(treedef, out)
+
+
+def _private_copy(leaf: Any) -> np.ndarray:
+  """A numpy copy of a host array: on CPU, JAX may keep a numpy array's buffer as its own
+  (jax 0.7.1 does for aligned arrays), and the caller's later writes would then change it."""
+  return np.array(leaf, copy=True)
 
 
 def validated_like_params(value: Any, params: Any, what: str) -> Any:
@@ -98,7 +104,8 @@ def validated_like_params(value: Any, params: Any, what: str) -> Any:
       raise ValueError(f"{what} leaf {where(path)} must have shape {tuple(ref.shape)} and dtype "
                        f"{ref.dtype} like the parameter, got shape {tuple(leaf.shape)} and dtype "
                        f"{leaf.dtype}")
-    out.append(leaf if isinstance(leaf, jax.Array) else jax.device_put(leaf, ref.sharding))
+    out.append(leaf if isinstance(leaf, jax.Array)
+               else jax.device_put(_private_copy(leaf), ref.sharding))
   return jax.tree.unflatten(treedef, out)
 
 
@@ -132,6 +139,7 @@ def validated_like(value: Any, reference: Any, what: str) -> Any:
     if isinstance(leaf, jax.Array) and (sharding is None or leaf.sharding == sharding):
       out.append(leaf)
     else:
-      out.append(jax.device_put(leaf, sharding))
+      out.append(jax.device_put(leaf if isinstance(leaf, jax.Array) else _private_copy(leaf),
+                                sharding))
   return jax.tree.unflatten(ref_def, out)
 
